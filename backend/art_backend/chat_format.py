@@ -1,0 +1,277 @@
+"""OpenAI chat messages to prompt text/ids, and the model's tool-call markup back to `tool_calls`.
+
+Tool calls use the Hermes/Qwen markup: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
+Templates that handle `tools` themselves (Qwen2.5/3) get the tools as-is; for templates that
+don't (SmolLM2) the tools block and tool turns are written into plain system/user/assistant turns.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+from dataclasses import dataclass
+from typing import Any
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_ID_ALPHABET = string.ascii_letters + string.digits
+_TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+)
+_TOOLS_INSTRUCTIONS = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+_FUNCTION_SHAPE = "{'type': 'function', 'function': {'name': ..., ...}}"
+
+
+class ChatFormatError(ValueError):
+    """A request's messages, tools or tool_choice cannot be rendered."""
+
+
+@dataclass(frozen=True)
+class ParsedToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text of an object, as OpenAI sends it
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str | None
+    tool_calls: list[ParsedToolCall]
+    parse_error: str | None
+
+
+def new_tool_call_id() -> str:
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+def _dumps(value: Any) -> str:
+    # Default separators match what models are shown and produce, so re-rendered turns round-trip.
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _text_content(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ChatFormatError(f"{where}.content must be a string, null or a list of text parts")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ChatFormatError(
+                f"{where}.content has a part of type {kind!r}; only text parts are supported "
+                "(images and other media are not)"
+            )
+        texts.append(str(part.get("text", "")))
+    return "".join(texts)
+
+
+def _role(message: Any, where: str) -> str:
+    role = message.get("role") if isinstance(message, dict) else None
+    if role not in _ROLES:
+        raise ChatFormatError(f"{where} has role {role!r}; expected one of {', '.join(_ROLES)}")
+    return "system" if role == "developer" else role
+
+
+def _call_arguments(call: Any, where: str) -> tuple[str, dict[str, Any]]:
+    """The name and decoded arguments of an OpenAI `tool_calls` entry."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ChatFormatError(f"{where} must look like {_FUNCTION_SHAPE}, got {call!r}")
+    raw = function.get("arguments") or "{}"
+    try:
+        arguments = json.loads(raw) if isinstance(raw, str) else raw
+    except json.JSONDecodeError as exc:
+        raise ChatFormatError(
+            f"{where}.function.arguments is not valid JSON ({exc}): {raw!r}"
+        ) from None
+    if not isinstance(arguments, dict):
+        raise ChatFormatError(f"{where}.function.arguments must encode a JSON object, got {raw!r}")
+    return function["name"], arguments
+
+
+def _function_name(tool: Any) -> str:
+    function = tool.get("function", tool) if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ChatFormatError(f"each tool must look like {_FUNCTION_SHAPE}, got {tool!r}")
+    return function["name"]
+
+
+def _parse_call_body(body: str) -> ParsedToolCall:
+    call = json.loads(body.strip())
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        raise ValueError('expected {"name": "...", "arguments": {...}}')
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments)
+    if not isinstance(arguments, dict):
+        raise ValueError(f"arguments must be a JSON object, got {type(arguments).__name__}")
+    return ParsedToolCall(new_tool_call_id(), call["name"], _dumps(arguments))
+
+
+class ChatFormatter:
+    def __init__(self, tokenizer: Any) -> None:
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ChatFormatError("the tokenizer has no chat_template; use an instruct/chat model")
+        self._tokenizer = tokenizer
+        self.supports_tools_natively: bool = "tools" in str(template)
+
+    def render(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+    ) -> str:
+        names = [_function_name(tool) for tool in tools or []]
+        if self.forced_prefix(tool_choice) and not names:
+            raise ChatFormatError(f"tool_choice {tool_choice!r} needs a non-empty `tools` list")
+        if isinstance(tool_choice, dict) and tool_choice["function"]["name"] not in names:
+            name = tool_choice["function"]["name"]
+            raise ChatFormatError(f"tool_choice names {name!r}, which is not in `tools`")
+        if self.supports_tools_natively:
+            hf_messages = [self._native_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+            hf_tools = [tool.get("function", tool) for tool in tools] if tools else None
+            return self._apply_template(hf_messages, tools=hf_tools)
+        return self._apply_template(self._hermes_messages(messages, tools))
+
+    def render_ids(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+    ) -> list[int]:
+        text = self.render(messages, tools, tool_choice)
+        # The template already wrote any BOS; letting the tokenizer add one would double it.
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def forced_prefix(self, tool_choice: str | dict | None) -> str:
+        if tool_choice in (None, "auto", "none"):
+            return ""
+        if tool_choice == "required":
+            return TOOL_CALL_OPEN + "\n"
+        function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ChatFormatError(
+                "tool_choice must be 'auto', 'none', 'required' or "
+                f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}"
+            )
+        return f'{TOOL_CALL_OPEN}\n{{"name": {_dumps(function["name"])}, "arguments": '
+
+    def parse(self, text: str) -> ParsedOutput:
+        outside: list[str] = []
+        calls: list[ParsedToolCall] = []
+        pos = 0
+        while (start := text.find(TOOL_CALL_OPEN, pos)) != -1:
+            outside.append(text[pos:start])
+            body_start = start + len(TOOL_CALL_OPEN)
+            end = text.find(TOOL_CALL_CLOSE, body_start)
+            # An unclosed last block is normal: generation stops at end-of-turn after the JSON.
+            body = text[body_start:] if end == -1 else text[body_start:end]
+            pos = len(text) if end == -1 else end + len(TOOL_CALL_CLOSE)
+            try:
+                calls.append(_parse_call_body(body))
+            except ValueError as exc:
+                return ParsedOutput(text, [], f"tool call {len(calls) + 1} did not parse: {exc}")
+        if not calls:
+            return ParsedOutput(text, [], None)
+        outside.append(text[pos:])
+        return ParsedOutput("".join(outside).strip() or None, calls, None)
+
+    def _apply_template(self, messages: list[dict], **kwargs: Any) -> str:
+        return self._tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+
+    def _native_message(self, message: dict, where: str) -> dict:
+        role = _role(message, where)
+        out: dict[str, Any] = {"role": role, "content": _text_content(message.get("content"), where)}
+        if role == "assistant" and message.get("tool_calls"):
+            out["tool_calls"] = []
+            for j, call in enumerate(message["tool_calls"]):
+                name, arguments = _call_arguments(call, f"{where}.tool_calls[{j}]")
+                hf_call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+                out["tool_calls"].append({"id": call["id"], **hf_call} if call.get("id") else hf_call)
+        if role == "tool" and message.get("tool_call_id"):
+            out["tool_call_id"] = message["tool_call_id"]
+        return out
+
+    def _hermes_messages(self, messages: list[dict], tools: list[dict] | None) -> list[dict]:
+        out: list[dict] = []
+        after_tool = False
+        for i, message in enumerate(messages):
+            where = f"messages[{i}]"
+            role = _role(message, where)
+            content = _text_content(message.get("content"), where)
+            if role == "assistant" and message.get("tool_calls"):
+                calls = []
+                for j, call in enumerate(message["tool_calls"]):
+                    name, arguments = _call_arguments(call, f"{where}.tool_calls[{j}]")
+                    body = _dumps({"name": name, "arguments": arguments})
+                    calls.append(f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}")
+                content = "\n".join([content, *calls] if content else calls)
+            if role == "tool":
+                response = f"<tool_response>\n{content}\n</tool_response>"
+                if after_tool:
+                    out[-1]["content"] += "\n" + response
+                else:
+                    out.append({"role": "user", "content": response})
+            else:
+                out.append({"role": role, "content": content})
+            after_tool = role == "tool"
+        if tools:
+            block = _TOOLS_PREAMBLE + "\n".join(map(_dumps, tools)) + _TOOLS_INSTRUCTIONS
+            # A system message of our own also keeps the template's default system prompt out.
+            if out and out[0]["role"] == "system":
+                system = out[0]["content"]
+                out[0]["content"] = f"{system}\n\n{block}" if system else block
+            else:
+                out.insert(0, {"role": "system", "content": block})
+        return out
+
+
+def _partial_open_len(text: str) -> int:
+    """Length of the longest suffix of `text` that could be the start of TOOL_CALL_OPEN."""
+    for size in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(TOOL_CALL_OPEN[:size]):
+            return size
+    return 0
+
+
+class ToolCallStreamFilter:
+    """Feeds streamed completion text; returns the part that is safe to emit as `content` now,
+    holding back anything from the first "<tool_call>" (or a suffix that could start it, e.g. "<tool").
+    """
+
+    def __init__(self, formatter: ChatFormatter) -> None:
+        self._formatter = formatter
+        self._text = ""
+        self._emitted = 0
+        self._in_markup = False
+
+    def feed(self, delta: str) -> str:
+        self._text += delta
+        if self._in_markup:
+            return ""
+        start = self._text.find(TOOL_CALL_OPEN, self._emitted)
+        self._in_markup = start != -1
+        end = start if self._in_markup else len(self._text) - _partial_open_len(self._text)
+        # Trailing whitespace waits too: parse() strips it from content before a tool call.
+        safe = self._text[self._emitted : end].rstrip()
+        self._emitted += len(safe)
+        return safe
+
+    def finish(self) -> ParsedOutput:
+        # What feed() emitted holds no markup, so parsing the held-back tail finds the same calls.
+        parsed = self._formatter.parse(self._text[self._emitted :])
+        return ParsedOutput(parsed.content or None, parsed.tool_calls, parsed.parse_error)

@@ -1,0 +1,80 @@
+"""The interface between the HTTP layer and a model engine.
+
+The server only ever calls these methods, so the embedded torch engine and a GPU engine
+(vLLM for serving, Unsloth/peft for training) are interchangeable behind it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    top_logprobs: int = 0  # alternatives returned per token besides the sampled one
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """`n` samples continuing `prompt_ids`. `forced_ids` are tokens every sample must start
+    with (e.g. a tool-call opening); they count as completion tokens, with the model's own
+    logprobs, so a trainer sees exactly what the policy was made to emit."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int = 1
+    forced_ids: list[int] = field(default_factory=list)
+    model: str | None = None  # a served adapter name; None = the base model
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class SequenceDelta:
+    """New output of one sample since its previous delta."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" once finished
+
+
+class ModelNotServedError(LookupError):
+    pass
+
+
+class ContextLengthError(ValueError):
+    pass
+
+
+class Engine(Protocol):
+    base_model_name: str
+    max_model_len: int
+
+    def served_models(self) -> list[str]:
+        """Names accepted as `model`: the base model first, then adapters."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[SequenceDelta]:
+        """Stream deltas for all samples of `request`; closing the iterator aborts them."""
+        ...
+
+    async def load_adapter(self, name: str, path: Path) -> None:
+        """Serve the peft LoRA adapter saved at `path` under `name` (replacing a same-named one)."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,222 @@
+"""A lean inference forward for Llama-family decoders (Llama, SmolLM2, Qwen2, Qwen3).
+
+Why not `model.generate`: one decode step of a 135M model is mostly Python and framework
+overhead in transformers (DESIGN.md: 226 ms at batch 8, while reading the weights takes tens
+of ms). This forward keeps only the arithmetic: fused q/k/v and gate/up projections, rotary
+embeddings from a precomputed table, and a KV cache indexed by slot, so one step is ~15 torch
+ops per layer for the whole batch. It reads the weights of the Hugging Face model in place
+(no copy beyond the two fused matrices), so the trainer and this forward share one model.
+
+LoRA adapters are applied unmerged, per row: row b of a batch adds
+scale * (x A_b^T) B_b^T, where A_b, B_b belong to that row's adapter (index 0 = none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraWeights:
+    """One adapter: per layer and target module, A [r, in] and B [out, r] with B pre-scaled."""
+
+    a: dict[tuple[int, str], Tensor]
+    b: dict[tuple[int, str], Tensor]
+
+
+class KVCache:
+    """Keys and values for up to `slots` sequences of up to `capacity` tokens, grown on demand.
+
+    Shape [layers, slots, kv_heads, capacity, head_dim]. Active sequences are kept in slots
+    0..B-1 so that a decode step reads a plain view of the first B slots.
+    """
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, slots: int = 8, capacity: int = 256) -> None:
+        self.shape_tail = (kv_heads, head_dim)
+        self.k = torch.zeros(layers, slots, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def reserve(self, slots: int, capacity: int) -> None:
+        """Grow (by doubling) so that `slots` sequences of `capacity` tokens fit."""
+        new_slots, new_capacity = self.slots, self.capacity
+        while new_slots < slots:
+            new_slots *= 2
+        while new_capacity < capacity:
+            new_capacity *= 2
+        if (new_slots, new_capacity) == (self.slots, self.capacity):
+            return
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], new_slots, old.shape[2], new_capacity, old.shape[4])
+            new[:, : old.shape[1], :, : old.shape[3]] = old
+            setattr(self, name, new)
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+    def export(self, slot: int, length: int) -> tuple[Tensor, Tensor]:
+        return self.k[:, slot, :, :length].clone(), self.v[:, slot, :, :length].clone()
+
+    def load(self, slot: int, k: Tensor, v: Tensor, length: int) -> None:
+        self.k[:, slot, :, :length] = k[:, :, :length]
+        self.v[:, slot, :, :length] = v[:, :, :length]
+
+
+class LeanLlama:
+    def __init__(self, model: torch.nn.Module, max_len: int) -> None:
+        cfg = model.config
+        if cfg.model_type not in ("llama", "qwen2", "qwen3", "mistral"):
+            raise ValueError(
+                f"The embedded engine runs Llama-family models (llama, qwen2, qwen3, mistral); "
+                f"{cfg.model_type!r} is not supported. Use the vLLM engine for other architectures."
+            )
+        inner = model.model
+        self.config = cfg
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.eps = cfg.rms_norm_eps
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.lm_head = model.get_output_embeddings().weight
+        self.layers = []
+        with torch.no_grad():
+            for layer in inner.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                qkv_bias = None
+                if attn.q_proj.bias is not None:
+                    qkv_bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+                self.layers.append(
+                    {
+                        "ln1": layer.input_layernorm.weight,
+                        "qkv": torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                        "qkv_bias": qkv_bias,
+                        "q_norm": getattr(getattr(attn, "q_norm", None), "weight", None),
+                        "k_norm": getattr(getattr(attn, "k_norm", None), "weight", None),
+                        "o": attn.o_proj.weight,
+                        "ln2": layer.post_attention_layernorm.weight,
+                        "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                        "down": mlp.down_proj.weight,
+                    }
+                )
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        rotary = inner.rotary_emb
+        positions = torch.arange(max_len, device=self.device)[None]
+        with torch.no_grad():
+            dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos, sin = rotary(dummy, positions)
+        self.cos, self.sin = cos[0], sin[0]  # [max_len, head_dim]
+        self.max_len = max_len
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv * self.head_dim
+
+    def new_cache(self) -> KVCache:
+        return KVCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device)
+
+    def _rms(self, x: Tensor, w: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+
+    @staticmethod
+    def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @staticmethod
+    def _lora(x: Tensor, key: tuple[int, str], lora: list[LoraWeights | None]) -> Tensor | None:
+        """Per-row LoRA deltas for one projection (rows grouped by adapter), or None."""
+        delta = None
+        groups: dict[int, tuple[LoraWeights, list[int]]] = {}
+        for row, adapter in enumerate(lora):
+            if adapter is not None and key in adapter.a:
+                groups.setdefault(id(adapter), (adapter, []))[1].append(row)
+        for adapter, rows in groups.values():
+            d = (x[rows] @ adapter.a[key].T) @ adapter.b[key].T
+            if delta is None:
+                delta = x.new_zeros(*x.shape[:-1], d.shape[-1])
+            delta[rows] = d
+        return delta
+
+    def _project(self, x: Tensor, weight: Tensor, bias: Tensor | None, layer: int,
+                 names: tuple[str, ...], lora: list[LoraWeights | None] | None) -> Tensor:
+        out = F.linear(x, weight, bias)
+        if lora is None:
+            return out
+        parts = [self._lora(x, (layer, name), lora) for name in names]
+        if all(p is None for p in parts):
+            return out
+        sizes = [s.shape[-1] for s in out.split(self._split_sizes(names), dim=-1)]
+        deltas = [p if p is not None else out.new_zeros(*out.shape[:-1], s) for p, s in zip(parts, sizes)]
+        return out + torch.cat(deltas, dim=-1)
+
+    def _split_sizes(self, names: tuple[str, ...]) -> list[int]:
+        inter = self.config.intermediate_size
+        size = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size,
+                "o_proj": self.config.hidden_size, "gate_proj": inter, "up_proj": inter,
+                "down_proj": self.config.hidden_size}
+        return [size[n] for n in names]
+
+    @torch.no_grad()
+    def forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, cache: KVCache,
+                lengths: Tensor, lora: list[LoraWeights | None] | None = None) -> Tensor:
+        """Run `tokens` [B, T] at `positions` [B, T], writing K/V into cache `slots` [B].
+
+        `lengths` [B] is each row's total length after this call (attention spans
+        positions < length, causally). Returns final hidden states [B, T, hidden]; use
+        `logits()` on the rows needed. Rows of a multi-token call must share one slot range
+        layout: row b attends to cache slot slots[b] only.
+        """
+        batch, steps = tokens.shape
+        x = F.embedding(tokens, self.embed)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B,1,T,hd]
+        span = int(lengths.max())
+        key_pos = torch.arange(span, device=self.device)
+        # mask[b, 0, t, j]: key j visible to query t of row b (causal, within the row's length)
+        mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]
+        contiguous = bool(torch.equal(slots, torch.arange(batch, device=slots.device)))
+        rows = slots[:, None].expand(batch, steps)
+        for i, w in enumerate(self.layers):
+            h = self._rms(x, w["ln1"])
+            qkv = self._project(h, w["qkv"], w["qkv_bias"], i, ("q_proj", "k_proj", "v_proj"), lora)
+            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            q = q.view(batch, steps, self.n_heads, self.head_dim).transpose(1, 2)
+            k = k.view(batch, steps, self.n_kv, self.head_dim).transpose(1, 2)
+            v = v.view(batch, steps, self.n_kv, self.head_dim).transpose(1, 2)
+            if w["q_norm"] is not None:
+                q, k = self._rms(q, w["q_norm"]), self._rms(k, w["k_norm"])
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            # advanced indexing on (slot, position) puts those dims first: [B, T, kv, hd]
+            cache.k[i][rows, :, positions] = k.transpose(1, 2)
+            cache.v[i][rows, :, positions] = v.transpose(1, 2)
+            if contiguous:
+                keys, values = cache.k[i, :batch, :, :span], cache.v[i, :batch, :, :span]
+            else:
+                keys, values = cache.k[i, slots, :, :span], cache.v[i, slots, :, :span]
+            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            att = att.transpose(1, 2).reshape(batch, steps, self.q_size)
+            x = x + self._project(att, w["o"], None, i, ("o_proj",), lora)
+            h = self._rms(x, w["ln2"])
+            gate, up = self._project(h, w["gate_up"], None, i, ("gate_proj", "up_proj"), lora).chunk(2, dim=-1)
+            x = x + self._project(F.silu(gate) * up, w["down"], None, i, ("down_proj",), lora)
+        return self._rms(x, self.norm)
+
+    @torch.no_grad()
+    def logits(self, hidden: Tensor) -> Tensor:
+        return F.linear(hidden, self.lm_head).float()

