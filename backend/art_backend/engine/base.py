@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     top_logprobs: int = 0  # alternatives returned per token besides the sampled one
+    ignore_eos: bool = False  # keep going past end-of-turn tokens (benchmarks)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class ContextLengthError(ValueError):
 class Engine(Protocol):
     base_model_name: str
     max_model_len: int
+    tokenizer: Any  # a transformers tokenizer with the model's chat template
 
     def served_models(self) -> list[str]:
         """Names accepted as `model`: the base model first, then adapters."""

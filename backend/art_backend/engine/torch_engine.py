@@ -335,7 +335,7 @@ class TorchEngine:
 
     def _update_text(self, seq: _Sequence, token: int) -> None:
         params = seq.request.spec.params
-        if token in self.stop_ids:
+        if token in self.stop_ids and not params.ignore_eos:
             seq.finish_reason = "stop"
         else:
             # incremental detokenization: decode a short window so multi-byte characters and

@@ -1,0 +1,299 @@
+"""The OpenAI-compatible HTTP API over an `Engine` (FastAPI).
+
+Routes: GET /health, GET /v1/models, POST /v1/chat/completions. With `return_token_ids`
+(as vLLM) responses carry `prompt_token_ids` and each choice's `token_ids`, so clients can
+train on exactly the tokens the policy saw and produced.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from art_backend.chat_format import ChatFormatError, ChatFormatter, ParsedOutput, ToolCallStreamFilter
+from art_backend.engine.base import (
+    ContextLengthError,
+    Engine,
+    GenerationRequest,
+    ModelNotServedError,
+    SamplingParams,
+    SequenceDelta,
+    TokenLogprob,
+)
+from art_backend.protocol import ChatCompletionRequest, completion_id, error_body, now
+
+logger = logging.getLogger(__name__)
+
+
+class UnsupportedFeatureError(ValueError):
+    pass
+
+
+@dataclass
+class _Prepared:
+    body: ChatCompletionRequest
+    generation: GenerationRequest
+    parse_tools: bool
+
+
+@dataclass
+class _Choice:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+
+class ChatService:
+    """Turns chat requests into engine requests and engine output into OpenAI responses."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.formatter = ChatFormatter(engine.tokenizer)
+        self._token_text = lru_cache(maxsize=65536)(self._decode_one)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+    def prepare(self, body: ChatCompletionRequest) -> _Prepared:
+        if body.model not in self.engine.served_models():
+            raise ModelNotServedError(
+                f"The model `{body.model}` does not exist. Served models: {', '.join(self.engine.served_models())}."
+            )
+        if body.response_format is not None and body.response_format.type != "text":
+            raise UnsupportedFeatureError(
+                f"response_format {body.response_format.type!r} is not supported by this engine; "
+                "ask for structured output through `tools` with `tool_choice` instead."
+            )
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        tool_choice = body.tool_choice_value()
+        prompt_ids = self.formatter.render_ids(messages, tools, tool_choice)
+        forced = self.formatter.forced_prefix(tool_choice) if tools else ""
+        forced_ids = list(self.engine.tokenizer.encode(forced, add_special_tokens=False)) if forced else []
+        used = len(prompt_ids) + len(forced_ids)
+        room = self.engine.max_model_len - used
+        limit = body.completion_limit
+        if room <= 0 or (limit is not None and limit > room):
+            asked = used + (limit or 0)
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.engine.max_model_len} tokens. However, "
+                f"you requested {asked} tokens ({used} in the messages, {limit or 0} in the completion). "
+                "Shorten the messages or lower max_tokens."
+            )
+        params = SamplingParams(
+            max_tokens=limit or room,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+            stop=body.stop_strings,
+            top_logprobs=body.top_logprobs or 0,
+            ignore_eos=body.ignore_eos,
+        )
+        served = None if body.model == self.engine.base_model_name else body.model
+        generation = GenerationRequest(prompt_ids, params, body.n, forced_ids, served)
+        return _Prepared(body, generation, parse_tools=bool(tools) and body.tool_choice != "none")
+
+    # ----- response pieces --------------------------------------------------------------
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+
+    @staticmethod
+    def _tool_calls(parsed: ParsedOutput) -> list[dict[str, Any]]:
+        return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in parsed.tool_calls]
+
+    @staticmethod
+    def _finish_reason(reason: str | None, parsed: ParsedOutput | None) -> str | None:
+        if parsed is not None and parsed.tool_calls and reason == "stop":
+            return "tool_calls"
+        return reason
+
+    # ----- non-streaming ----------------------------------------------------------------
+
+    async def complete(self, prepared: _Prepared) -> dict[str, Any]:
+        body, generation = prepared.body, prepared.generation
+        choices = [_Choice(i) for i in range(generation.n)]
+        async for delta in self.engine.generate(generation):
+            choice = choices[delta.index]
+            choice.token_ids += delta.token_ids
+            choice.logprobs += delta.logprobs
+            choice.text += delta.text
+            choice.finish_reason = delta.finish_reason or choice.finish_reason
+        out_choices = []
+        for choice in choices:
+            parsed = self.formatter.parse(choice.text) if prepared.parse_tools else None
+            message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+            entry: dict[str, Any] = {"index": choice.index, "message": message}
+            if parsed is not None:
+                message["content"] = parsed.content
+                if parsed.tool_calls:
+                    message["tool_calls"] = self._tool_calls(parsed)
+                if parsed.parse_error:
+                    entry["tool_call_parse_error"] = parsed.parse_error
+            entry["logprobs"] = self._logprobs(choice.logprobs) if body.logprobs else None
+            entry["finish_reason"] = self._finish_reason(choice.finish_reason, parsed)
+            if body.return_token_ids:
+                entry["token_ids"] = choice.token_ids
+            out_choices.append(entry)
+        completion_tokens = sum(len(c.token_ids) for c in choices)
+        prompt_tokens = len(generation.prompt_ids)
+        response: dict[str, Any] = {
+            "id": completion_id(), "object": "chat.completion", "created": now(), "model": body.model,
+            "choices": out_choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+        }
+        if body.return_token_ids:
+            response["prompt_token_ids"] = generation.prompt_ids
+        return response
+
+    # ----- streaming --------------------------------------------------------------------
+
+    async def stream(self, prepared: _Prepared) -> AsyncIterator[str]:
+        body, generation = prepared.body, prepared.generation
+        base = {"id": completion_id(), "object": "chat.completion.chunk", "created": now(), "model": body.model}
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
+
+        first: dict[str, Any] = {"prompt_token_ids": generation.prompt_ids} if body.return_token_ids else {}
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(generation.n)], **first)
+        filters = [ToolCallStreamFilter(self.formatter) if prepared.parse_tools else None
+                   for _ in range(generation.n)]
+        completion_tokens = 0
+        try:
+            async for delta in self.engine.generate(generation):
+                completion_tokens += len(delta.token_ids)
+                yield chunk([self._stream_choice(body, delta, filters[delta.index])])
+                if delta.finish_reason is not None:
+                    yield chunk([self._stream_finish(delta, filters[delta.index])])
+        except Exception as error:  # headers are sent: report in-band, as vLLM does
+            logger.exception("Generation failed mid-stream")
+            yield f"data: {json.dumps(error_body(str(error), 'InternalServerError', code=500))}\n\n"
+            return
+        if body.stream_options is not None and body.stream_options.include_usage:
+            prompt_tokens = len(generation.prompt_ids)
+            yield chunk([], usage={"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                   "total_tokens": prompt_tokens + completion_tokens})
+        yield "data: [DONE]\n\n"
+
+    def _stream_choice(self, body: ChatCompletionRequest, delta: SequenceDelta,
+                       stream_filter: ToolCallStreamFilter | None) -> dict[str, Any]:
+        content = stream_filter.feed(delta.text) if stream_filter else delta.text
+        choice: dict[str, Any] = {
+            "index": delta.index,
+            "delta": {"content": content} if content else {},
+            "logprobs": self._logprobs(delta.logprobs) if body.logprobs else None,
+            "finish_reason": None,
+        }
+        if body.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        return choice
+
+    def _stream_finish(self, delta: SequenceDelta, stream_filter: ToolCallStreamFilter | None) -> dict[str, Any]:
+        parsed = stream_filter.finish() if stream_filter else None
+        message: dict[str, Any] = {}
+        choice: dict[str, Any] = {"index": delta.index, "delta": message, "logprobs": None}
+        if parsed is not None:
+            if parsed.content:
+                message["content"] = parsed.content
+            if parsed.tool_calls:
+                message["tool_calls"] = [{"index": k, **call} for k, call in enumerate(self._tool_calls(parsed))]
+            if parsed.parse_error:
+                choice["tool_call_parse_error"] = parsed.parse_error
+        choice["finish_reason"] = self._finish_reason(delta.finish_reason, parsed)
+        return choice
+
+
+def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    parts, first = [], None
+    for item in error.errors():
+        location = ".".join(str(p) for p in item.get("loc", ()) if p != "body")
+        first = first or location or None
+        parts.append(f"{location or 'body'}: {item.get('msg')}")
+    return "Invalid request: " + "; ".join(parts), first
+
+
+def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
+    service = ChatService(engine)
+    app = FastAPI(title="art-backend", version="0.1.0")
+    app.state.engine = engine
+
+    if api_key:
+        @app.middleware("http")
+        async def require_api_key(request: Request, call_next: Any) -> Any:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return JSONResponse(error_body(
+                    "Missing or wrong API key: send `Authorization: Bearer <key>` (the key the backend "
+                    "was started with).", "AuthenticationError", code=401), status_code=401)
+            return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(error)
+        return JSONResponse(error_body(message, "BadRequestError", param, 422), status_code=422)
+
+    @app.exception_handler(ModelNotServedError)
+    async def on_unknown_model(_: Request, error: ModelNotServedError) -> JSONResponse:
+        return JSONResponse(error_body(str(error), "NotFoundError", "model", 404), status_code=404)
+
+    @app.exception_handler(ContextLengthError)
+    async def on_too_long(_: Request, error: ContextLengthError) -> JSONResponse:
+        return JSONResponse(error_body(str(error), "BadRequestError", "messages", 400), status_code=400)
+
+    @app.exception_handler(ChatFormatError)
+    @app.exception_handler(UnsupportedFeatureError)
+    async def on_bad_request(_: Request, error: Exception) -> JSONResponse:
+        return JSONResponse(error_body(str(error), "BadRequestError", None, 400), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(error.detail), "HTTPError", None, error.status_code),
+                            status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, error: Exception) -> JSONResponse:
+        logger.exception("Request failed")
+        return JSONResponse(error_body(f"{type(error).__name__}: {error}", "InternalServerError", None, 500),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        created = now()
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "art-backend",
+             "root": engine.base_model_name, "max_model_len": engine.max_model_len}
+            for name in engine.served_models()]}
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest) -> dict[str, Any] | StreamingResponse:
+        prepared = service.prepare(body)
+        if body.stream:
+            return StreamingResponse(service.stream(prepared), media_type="text/event-stream")
+        return await service.complete(prepared)
+
+    return app
