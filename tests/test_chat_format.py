@@ -14,7 +14,6 @@ from art_backend.chat_format import (
     new_tool_call_id,
 )
 
-SMOLLM2 = Path("/tmp/artcache/models/SmolLM2-135M-Instruct")
 
 WEATHER_TOOL = {
     "type": "function",
@@ -50,17 +49,11 @@ NATIVE_TEMPLATE = (
 )
 
 
-def _load_tokenizer():
-    if not SMOLLM2.is_dir():
-        pytest.skip(f"SmolLM2 tokenizer not found at {SMOLLM2}")
+@pytest.fixture(scope="module")
+def tokenizer(embedded_model_dir: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(SMOLLM2)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return _load_tokenizer()
+    return AutoTokenizer.from_pretrained(embedded_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +203,10 @@ def test_stream_filter_bad_markup_returns_held_text(fmt):
     assert result.parse_error is not None and result.tool_calls == []
 
 
-def test_native_template_gets_tools_passed_through():
-    tokenizer = _load_tokenizer()
+def test_native_template_gets_tools_passed_through(embedded_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
     tokenizer.chat_template = NATIVE_TEMPLATE
     fmt = ChatFormatter(tokenizer)
     assert fmt.supports_tools_natively is True

@@ -98,6 +98,7 @@ class TorchEngine:
         self.base_model_name = served_model_name or Path(model_dir).name
         self.max_batch_size = max_batch_size
         self.stop_ids = self._stop_token_ids()
+        self.peak_batch_size = 0  # most sequences decoded in one step so far
         logger.info("Loaded %s in %.1f s on %s", model_dir, time.perf_counter() - started, self.device)
 
         self._adapters: dict[str, LoraWeights] = {}
@@ -302,6 +303,7 @@ class TorchEngine:
     def _decode_step(self) -> None:
         active = self._active
         batch = len(active)
+        self.peak_batch_size = max(self.peak_batch_size, batch)
         lengths = [len(s.ids) for s in active]
         self._cache.reserve(batch, max(lengths))
         tokens = torch.tensor([[s.ids[-1]] for s in active], device=self.device)

@@ -1,0 +1,221 @@
+"""Serving throughput on CPU: the art-backend server against plain transformers `generate`.
+
+For each concurrency N (default 1, 8, 16), N distinct short chat prompts each get exactly
+`--new-tokens` new tokens (EOS ignored); printed is the aggregate generated tokens/s of:
+  backend      a real `python -m art_backend serve` subprocess on a free loopback port, sent N
+               concurrent requests with `openai.AsyncOpenAI` (each choice's `token_ids` counted);
+  per-request  transformers `model.generate` once per request, one after another;
+  padded       transformers `model.generate` on all N prompts as one left-padded batch.
+Sampling: temperature 1.0, top_p 1.0, no top_k. The server runs first and is stopped before
+the baselines, so they never share the CPU. Medians of `--repeats` runs. Targets at the highest
+concurrency: backend >= 10x per-request and >= 2x padded batch.
+
+Run from the repository root:
+    PYTHONPATH=backend:. ART_BACKEND_CACHE_DIR=/tmp/artcache python benchmarks/bench_serving.py \
+        [--concurrency 1,8,16] [--new-tokens 128] [--repeats 3] [--model DIR] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from openai import AsyncOpenAI
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from art_backend.config import BackendSettings
+from art_backend.model_store import resolve_model_dir
+
+PER_REQUEST_GAIN_TARGET = 10.0
+PADDED_GAIN_TARGET = 2.0
+SAMPLING: dict[str, Any] = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+
+
+def chat_messages(count: int) -> list[list[dict[str, str]]]:
+    return [[{"role": "user", "content": f"Write a short story about topic {i}."}] for i in range(count)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def measure(label: str, n: int, tokens: int, repeats: int, run_once: Callable[[int], object]) -> float:
+    """Time `run_once(repeat)` `repeats` times; print each rate; return the median tokens/s."""
+    timings = []
+    for r in range(repeats):
+        start = time.perf_counter()
+        run_once(r)
+        timings.append(time.perf_counter() - start)
+        print(f"  {label:<12} N={n:<3} repeat {r + 1}: {tokens / timings[-1]:8.1f} tok/s", flush=True)
+    return tokens / statistics.median(timings)
+
+
+def start_server(model: str | None, port: int) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "art_backend", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    if model is not None:
+        command += ["--model", model]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def wait_until_healthy(base: str, server: subprocess.Popen[bytes], timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"server exited with code {server.returncode} before becoming healthy")
+        try:
+            if httpx.get(f"{base}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"server not healthy after {timeout_s:.0f} s")
+
+
+async def one_request(client: AsyncOpenAI, model: str, messages: list[dict[str, str]], new_tokens: int) -> int:
+    response = await client.chat.completions.create(
+        model=model, messages=messages, temperature=1.0, max_tokens=new_tokens,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    counts = [len((choice.model_extra or {}).get("token_ids") or []) for choice in response.choices]
+    if counts != [new_tokens]:
+        raise RuntimeError(f"expected {new_tokens} generated tokens, got {counts}")
+    return counts[0]
+
+
+async def served_model(client: AsyncOpenAI) -> str:
+    return (await client.models.list()).data[0].id
+
+
+async def concurrent_round(client: AsyncOpenAI, model: str, prompts: list[list[dict[str, str]]],
+                           new_tokens: int) -> None:
+    await asyncio.gather(*(one_request(client, model, p, new_tokens) for p in prompts))
+
+
+def bench_backend(model: str | None, levels: list[int], new_tokens: int, repeats: int) -> dict[int, float]:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = start_server(model, port)
+    try:
+        wait_until_healthy(base, server)
+        with asyncio.Runner() as runner:
+            client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=1800.0)
+            served = runner.run(served_model(client))
+            runner.run(concurrent_round(client, served, chat_messages(1), min(8, new_tokens)))  # warm-up
+            rates = {n: measure("backend", n, n * new_tokens, repeats, lambda _, n=n: runner.run(
+                concurrent_round(client, served, chat_messages(n), new_tokens))) for n in levels}
+            runner.run(client.close())
+        return rates
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def render_prompts(tokenizer: PreTrainedTokenizerBase, count: int) -> list[str]:
+    return [tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            for messages in chat_messages(count)]
+
+
+def hf_generate(model: Any, tokenizer: PreTrainedTokenizerBase, prompts: list[str], new_tokens: int) -> None:
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.inference_mode():
+        out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             pad_token_id=tokenizer.pad_token_id, **SAMPLING)
+    generated = out.shape[1] - batch["input_ids"].shape[1]
+    if generated != new_tokens:
+        raise RuntimeError(f"generate produced {generated} tokens, expected {new_tokens}")
+
+
+def bench_baselines(model_dir: Path, levels: list[int], new_tokens: int,
+                    repeats: int) -> tuple[dict[int, float], dict[int, float]]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf_generate(model, tokenizer, render_prompts(tokenizer, 1), min(8, new_tokens))  # warm-up
+    per_request, padded = {}, {}
+    for n in levels:
+        prompts = render_prompts(tokenizer, n)
+        # One request per repeat: N sequential requests take exactly N times as long.
+        per_request[n] = measure("per-request", n, new_tokens, repeats,
+                                 lambda r: hf_generate(model, tokenizer, [prompts[r % n]], new_tokens))
+        padded[n] = measure("padded", n, n * new_tokens, repeats,
+                            lambda _: hf_generate(model, tokenizer, prompts, new_tokens))
+    return per_request, padded
+
+
+def build_rows(levels: list[int], backend: dict[int, float], per_request: dict[int, float],
+               padded: dict[int, float]) -> list[dict[str, float]]:
+    return [{"concurrency": n, "backend_tok_s": backend[n], "per_request_tok_s": per_request[n],
+             "padded_tok_s": padded[n], "backend_over_per_request": backend[n] / per_request[n],
+             "backend_over_padded": backend[n] / padded[n]} for n in levels]
+
+
+def print_table(rows: list[dict[str, float]], new_tokens: int, repeats: int) -> None:
+    header = ("concurrency", "backend tok/s", "generate per-request tok/s", "generate padded-batch tok/s",
+              "backend / per-request", "backend / padded")
+    print("\n" + " | ".join(header))
+    for row in rows:
+        cells = (f"{row['concurrency']:.0f}", f"{row['backend_tok_s']:.1f}", f"{row['per_request_tok_s']:.1f}",
+                 f"{row['padded_tok_s']:.1f}", f"{row['backend_over_per_request']:.2f}x",
+                 f"{row['backend_over_padded']:.2f}x")
+        print(" | ".join(c.rjust(len(h)) for c, h in zip(cells, header)))
+    print(f"Medians of {repeats} repeat(s); {new_tokens} new tokens per request; aggregate generated tokens/s.")
+    print("Per-request: one request timed per repeat; N sequential requests give "
+          f"N*{new_tokens} / (N * seconds per request), i.e. the single-request rate.")
+
+
+def check_targets(row: dict[str, float]) -> dict[str, bool]:
+    per_request, padded = row["backend_over_per_request"], row["backend_over_padded"]
+    checks = {f"backend >= {PER_REQUEST_GAIN_TARGET:g}x per-request": per_request >= PER_REQUEST_GAIN_TARGET,
+              f"backend >= {PADDED_GAIN_TARGET:g}x padded batch": padded >= PADDED_GAIN_TARGET}
+    for name, passed in checks.items():
+        print(f"Target at {row['concurrency']:.0f} concurrent: {name}: {'PASS' if passed else 'FAIL'}")
+    return checks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", default="1,8,16", help="comma-separated request counts")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+    levels = [int(n) for n in args.concurrency.split(",")]
+    model_dir = resolve_model_dir(args.model, BackendSettings().cache_dir)
+    print(f"Model {model_dir}; concurrency {levels}; {args.new_tokens} new tokens; {args.repeats} repeat(s)")
+    started = time.perf_counter()
+    backend = bench_backend(args.model, levels, args.new_tokens, args.repeats)
+    per_request, padded = bench_baselines(model_dir, levels, args.new_tokens, args.repeats)
+    rows = build_rows(levels, backend, per_request, padded)
+    print_table(rows, args.new_tokens, args.repeats)
+    top = max(rows, key=lambda row: row["concurrency"])
+    checks = check_targets(top)
+    verdict = "all targets met" if all(checks.values()) else "some targets missed"
+    print(f"Summary: {verdict}; backend {top['backend_tok_s']:.1f} tok/s at {top['concurrency']:.0f} concurrent; "
+          f"took {time.perf_counter() - started:.0f} s.")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"model": str(model_dir), "new_tokens": args.new_tokens,
+                                         "repeats": args.repeats, "rows": rows, "targets": checks}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The embedded engine against transformers itself: same logits, same LoRA, real batching."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from art_backend.engine.base import GenerationRequest, ModelNotServedError, SamplingParams
+from art_backend.engine.llama import LeanLlama
+from art_backend.engine.torch_engine import TorchEngine
+
+
+def _prompt(engine: TorchEngine, text: str) -> list[int]:
+    rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                    add_generation_prompt=True, tokenize=False)
+    return engine.tokenizer.encode(rendered, add_special_tokens=False)
+
+
+async def _run(engine: TorchEngine, request: GenerationRequest) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    async for delta in engine.generate(request):
+        seq = out.setdefault(delta.index, {"ids": [], "logprobs": [], "text": "", "finish": None})
+        seq["ids"] += delta.token_ids
+        seq["logprobs"] += [lp.logprob for lp in delta.logprobs]
+        seq["text"] += delta.text
+        seq["finish"] = delta.finish_reason or seq["finish"]
+    return out
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "embedded_model_dir"])
+def test_lean_forward_matches_transformers(model_fixture: str, request: pytest.FixtureRequest) -> None:
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(model_fixture)).eval()
+    lean = LeanLlama(model, max_len=256)
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        reference = model(ids).logits
+        reference_next = model(torch.cat([ids, ids[:, :1]], dim=1)).logits[:, -1]
+    cache = lean.new_cache()
+    cache.reserve(2, 16)
+    slots, positions = torch.arange(2), torch.arange(12)[None].expand(2, 12)
+    prefill = lean.logits(lean.forward(ids, positions, slots, cache, torch.tensor([12, 12])))
+    step = lean.logits(lean.forward(ids[:, :1], torch.tensor([[12], [12]]), slots, cache, torch.tensor([13, 13])))
+    torch.testing.assert_close(prefill, reference, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(step[:, 0], reference_next, atol=2e-4, rtol=1e-4)
+
+
+async def test_greedy_output_is_the_same_with_and_without_a_reused_prefix(embedded_engine: TorchEngine) -> None:
+    prompt = _prompt(embedded_engine, "Name three colors.")
+    request = GenerationRequest(prompt, SamplingParams(max_tokens=12, temperature=0))
+    first = (await _run(embedded_engine, request))[0]
+    second = (await _run(embedded_engine, request))[0]  # prefix store hit: only the last token is prefilled
+    assert second["ids"] == first["ids"]
+    assert second["logprobs"] == pytest.approx(first["logprobs"], abs=1e-4)
+    assert len(first["logprobs"]) == len(first["ids"])
+    assert embedded_engine.tokenizer.decode(first["ids"], skip_special_tokens=True) == first["text"]
+
+
+async def test_seed_makes_sampling_reproducible_and_n_samples_differ(embedded_engine: TorchEngine) -> None:
+    prompt = _prompt(embedded_engine, "Tell me a word.")
+    request = GenerationRequest(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=7), n=3)
+    a, b = await _run(embedded_engine, request), await _run(embedded_engine, request)
+    assert [a[i]["ids"] for i in range(3)] == [b[i]["ids"] for i in range(3)]
+    assert len({tuple(a[i]["ids"]) for i in range(3)}) > 1
+
+
+async def test_stop_string_truncates_text(embedded_engine: TorchEngine) -> None:
+    prompt = _prompt(embedded_engine, "Count from 1 to 10, separated by commas.")
+    plain = (await _run(embedded_engine, GenerationRequest(prompt, SamplingParams(max_tokens=20, temperature=0))))[0]
+    assert "," in plain["text"], plain["text"]
+    stopped = (await _run(embedded_engine, GenerationRequest(
+        prompt, SamplingParams(max_tokens=20, temperature=0, stop=(",",)))))[0]
+    assert stopped["finish"] == "stop"
+    assert stopped["text"] == plain["text"].split(",")[0]
+
+
+async def test_forced_tokens_are_part_of_the_completion(embedded_engine: TorchEngine) -> None:
+    prompt = _prompt(embedded_engine, "Hi")
+    forced = embedded_engine.tokenizer.encode("<tool_call>\n", add_special_tokens=False)
+    out = (await _run(embedded_engine, GenerationRequest(
+        prompt, SamplingParams(max_tokens=4, temperature=0), forced_ids=forced)))[0]
+    assert out["ids"][: len(forced)] == forced
+    assert out["text"].startswith("<tool_call>\n")
+    assert len(out["logprobs"]) == len(out["ids"]) == len(forced) + 4
+    assert all(lp <= 0 for lp in out["logprobs"])
+
+
+async def test_concurrent_requests_share_decode_steps(embedded_engine: TorchEngine) -> None:
+    embedded_engine.peak_batch_size = 0
+    requests = [GenerationRequest(_prompt(embedded_engine, f"Say something about {i}."),
+                                  SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True))
+                for i in range(16)]
+    results = await asyncio.gather(*(_run(embedded_engine, r) for r in requests))
+    assert all(len(r[0]["ids"]) == 16 for r in results)
+    assert embedded_engine.peak_batch_size >= 8  # they were decoded together, not one after another
+
+
+async def test_lora_adapter_is_served_and_matches_peft(tiny_engine: TorchEngine, tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_engine.model.name_or_path).eval()
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    with torch.no_grad():  # B starts at zero; make the adapter do something
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
+
+    await tiny_engine.load_adapter("tiny@1", tmp_path / "adapter")
+    assert tiny_engine.served_models() == [tiny_engine.base_model_name, "tiny@1"]
+
+    prompt = _prompt(tiny_engine, "Hello")
+    with torch.no_grad():
+        expected = torch.log_softmax(peft_model(torch.tensor([prompt])).logits[0, -1], dim=-1)
+    adapted = (await _run(tiny_engine, GenerationRequest(prompt, SamplingParams(max_tokens=1, temperature=0),
+                                                         model="tiny@1")))[0]
+    plain = (await _run(tiny_engine, GenerationRequest(prompt, SamplingParams(max_tokens=1, temperature=0))))[0]
+    assert adapted["ids"][0] == int(expected.argmax())
+    assert adapted["logprobs"][0] == pytest.approx(float(expected.max()), abs=1e-4)
+    assert adapted["logprobs"] != plain["logprobs"]
+
+    with pytest.raises(ModelNotServedError, match="tiny@2"):
+        await _run(tiny_engine, GenerationRequest(prompt, SamplingParams(max_tokens=1), model="tiny@2"))
