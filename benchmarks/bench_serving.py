@@ -24,10 +24,11 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import torch
@@ -64,18 +65,18 @@ def measure(label: str, n: int, tokens: int, repeats: int, run_once: Callable[[i
     return tokens / statistics.median(timings)
 
 
-def start_server(model: str | None, port: int) -> subprocess.Popen[bytes]:
+def start_server(model: str | None, port: int, log: IO[bytes]) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "art_backend", "serve", "--host", "127.0.0.1", "--port", str(port)]
     if model is not None:
         command += ["--model", model]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
 
 def wait_until_healthy(base: str, server: subprocess.Popen[bytes], timeout_s: float = 180.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"server exited with code {server.returncode} before becoming healthy")
+            raise RuntimeError(f"server exited with code {server.returncode} before becoming healthy; see its log")
         try:
             if httpx.get(f"{base}/health", timeout=2.0).status_code == 200:
                 return
@@ -107,7 +108,9 @@ async def concurrent_round(client: AsyncOpenAI, model: str, prompts: list[list[d
 def bench_backend(model: str | None, levels: list[int], new_tokens: int, repeats: int) -> dict[int, float]:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    server = start_server(model, port)
+    log = tempfile.NamedTemporaryFile(prefix="bench-serving-", suffix=".log", delete=False)
+    print(f"Server on {base}, log {log.name}", flush=True)
+    server = start_server(model, port, log)
     try:
         wait_until_healthy(base, server)
         with asyncio.Runner() as runner:
@@ -125,6 +128,7 @@ def bench_backend(model: str | None, levels: list[int], new_tokens: int, repeats
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+        log.close()
 
 
 def render_prompts(tokenizer: PreTrainedTokenizerBase, count: int) -> list[str]:

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -41,13 +42,14 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def _publish(build: callable, target: Path) -> Path:  # type: ignore[valid-type]
+def _publish(build: Callable[[Path], None], target: Path) -> Path:
     """Build a model directory in a temporary sibling and move it into place atomically,
     so an interrupted conversion never leaves a half-written cache entry behind."""
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary directory
     try:
         build(staging)
         try:

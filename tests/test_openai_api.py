@@ -1,0 +1,231 @@
+"""The HTTP API through the clients users have: the openai SDK and langchain-openai."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+
+from art_backend.engine.torch_engine import TorchEngine
+from art_backend.server import create_app
+from tests.conftest import ServerThread
+
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+# One worked example in the history is enough for the 135M model to answer with a valid call.
+FEW_SHOT = [
+    {"role": "user", "content": "What is the weather in London?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": "London"})}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "12 C, cloudy"},
+    {"role": "assistant", "content": "It is 12 C and cloudy in London."},
+    {"role": "user", "content": "What is the weather in Paris?"},
+]
+TOKEN_IDS = {"return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+
+
+@pytest.fixture
+def async_client(server: ServerThread) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+
+
+def test_models_lists_the_base_model(client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra["max_model_len"] == 8192
+
+
+def test_sync_completion_token_ids_decode_to_the_text(client: openai.OpenAI, embedded_engine: TorchEngine) -> None:
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}],
+        max_tokens=24, temperature=0.7, seed=1, logprobs=True, top_logprobs=2, extra_body=TOKEN_IDS)
+    choice = response.choices[0]
+    token_ids = choice.model_extra["token_ids"]
+    tokenizer = embedded_engine.tokenizer
+    assert tokenizer.decode(token_ids, skip_special_tokens=True) == choice.message.content
+    assert len(choice.logprobs.content) == len(token_ids) == response.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in choice.logprobs.content)
+    prompt_ids = response.model_extra["prompt_token_ids"]
+    assert len(prompt_ids) == response.usage.prompt_tokens
+    assert tokenizer.decode(prompt_ids).endswith("<|im_start|>assistant\n")
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_n_samples_come_back_as_separate_choices(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Pick a random animal."}], n=3,
+        max_tokens=8, temperature=1.0, seed=3, extra_body=TOKEN_IDS)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert response.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in response.choices)
+    assert len({tuple(c.model_extra["token_ids"]) for c in response.choices}) > 1
+
+
+async def test_async_streaming_carries_token_ids_and_usage(async_client: openai.AsyncOpenAI,
+                                                           embedded_engine: TorchEngine) -> None:
+    stream = await async_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write one sentence about the sea."}],
+        max_tokens=20, temperature=0, logprobs=True, stream=True,
+        stream_options={"include_usage": True}, extra_body=TOKEN_IDS)
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].model_extra["prompt_token_ids"]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    token_ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids") or []]
+    logprobs = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert embedded_engine.tokenizer.decode(token_ids, skip_special_tokens=True) == text
+    assert len(logprobs) == len(token_ids) == chunks[-1].usage.completion_tokens
+    assert chunks[-1].choices == []
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["stop"], ["length"])
+
+    sync_text = (await async_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write one sentence about the sea."}],
+        max_tokens=20, temperature=0)).choices[0].message.content
+    assert sync_text == text
+
+
+def test_named_tool_choice_returns_a_parsed_tool_call(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=MODEL, messages=FEW_SHOT, tools=[WEATHER_TOOL], temperature=0, max_tokens=40,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, extra_body=TOKEN_IDS)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert "<tool_call>" not in (choice.message.content or "")
+
+
+def test_streamed_tool_call_matches_the_non_streamed_one(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL, messages=FEW_SHOT, tools=[WEATHER_TOOL], temperature=0, max_tokens=40, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    calls = [tc for chunk in stream if chunk.choices for tc in chunk.choices[0].delta.tool_calls or []]
+    assert len(calls) == 1
+    assert calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+
+
+def test_langchain_bind_tools_round_trip(server: ServerThread) -> None:
+    @tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city"""
+        return "21 C, sunny" if city == "Paris" else "unknown"
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{server.base_url}/v1", api_key="unused", temperature=0, max_tokens=40)
+    model = llm.bind_tools([get_weather], tool_choice="get_weather")
+    history = [openai_message_to_langchain(m) for m in FEW_SHOT]
+    ai = model.invoke(history)
+    (call,) = ai.tool_calls
+    assert call["name"] == "get_weather" and call["args"] == {"city": "Paris"}
+    result = get_weather.invoke(call["args"])
+    final = llm.bind_tools([get_weather]).invoke([*history, ai, ToolMessage(result, tool_call_id=call["id"])])
+    assert isinstance(final.content, str) and final.content
+    assert final.response_metadata["finish_reason"] in ("stop", "length", "tool_calls")
+
+
+def openai_message_to_langchain(message: dict):  # noqa: ANN201 - a LangChain message
+    from langchain_core.messages import AIMessage, SystemMessage
+
+    if message["role"] == "user":
+        return HumanMessage(message["content"])
+    if message["role"] == "system":
+        return SystemMessage(message["content"])
+    if message["role"] == "tool":
+        return ToolMessage(message["content"], tool_call_id=message["tool_call_id"])
+    calls = [{"name": c["function"]["name"], "args": json.loads(c["function"]["arguments"]), "id": c["id"]}
+             for c in message.get("tool_calls") or []]
+    return AIMessage(message["content"] or "", tool_calls=calls)
+
+
+def test_unparseable_tool_markup_is_flagged_not_an_error(tiny_server: ServerThread) -> None:
+    client = openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused")
+    response = client.chat.completions.create(
+        model="tiny-random-smollm2", messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[WEATHER_TOOL], tool_choice="required", max_tokens=8, temperature=0)
+    choice = response.choices[0]
+    assert choice.message.tool_calls is None
+    assert choice.message.content.startswith("<tool_call>\n")
+    assert "did not parse" in choice.model_extra["tool_call_parse_error"]
+
+
+def test_unknown_model_is_a_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="no-such-model"):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+
+
+def test_too_long_context_is_a_400_naming_the_limit(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 8192"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 9000}])
+    with pytest.raises(openai.BadRequestError, match="8192"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=9000)
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"model": MODEL, "messages": []}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 5}, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+])
+def test_malformed_body_is_a_422_naming_the_field(server: ServerThread, body: dict, field: str) -> None:
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body)
+    assert response.status_code == 422
+    error = response.json()["error"]
+    assert error["param"] == field and field in error["message"]
+
+
+def test_bad_tool_choice_is_a_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="not in `tools`"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[WEATHER_TOOL],
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+async def test_sixteen_concurrent_requests_all_complete(async_client: openai.AsyncOpenAI) -> None:
+    async def one(i: int) -> int:
+        response = await async_client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Tell me about the number {i}."}],
+            max_tokens=16, temperature=1.0, extra_body=TOKEN_IDS)
+        return len(response.choices[0].model_extra["token_ids"])
+
+    counts = await asyncio.gather(*(one(i) for i in range(16)))
+    assert all(0 < n <= 16 for n in counts)
+    # the server is still healthy afterwards
+    assert httpx.get(f"{async_client.base_url}".removesuffix("/v1/") + "/health").json() == {"status": "ok"}
+
+
+def test_api_key_is_checked_on_every_route(tiny_engine: TorchEngine) -> None:
+    with ServerThread(create_app(tiny_engine, api_key="s3cret")) as running:
+        assert httpx.get(f"{running.base_url}/health").status_code == 401
+        assert httpx.get(f"{running.base_url}/v1/models").status_code == 401
+        assert httpx.get(f"{running.base_url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        ok = httpx.get(f"{running.base_url}/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="s3cret")
+        assert client.chat.completions.create(model="tiny-random-smollm2", max_tokens=2,
+                                              messages=[{"role": "user", "content": "x"}]).choices
+
+
+def test_serving_off_loopback_requires_an_api_key() -> None:
+    result = subprocess.run([sys.executable, "-m", "art_backend", "serve", "--host", "0.0.0.0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "--api-key" in result.stderr

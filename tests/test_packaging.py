@@ -1,0 +1,33 @@
+"""Package boundaries and model resolution."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from art_backend.model_store import ModelNotFoundError, resolve_model_dir
+
+
+def test_client_package_imports_without_torch() -> None:
+    # `None` in sys.modules makes any `import torch` fail, as in an environment without it.
+    code = "import sys; sys.modules['torch'] = None; import art_integrations; print(art_integrations.__version__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_directory_without_a_model_is_refused_with_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="save_pretrained"):
+        resolve_model_dir(str(tmp_path), tmp_path / "cache")
+
+
+def test_the_embedded_model_is_the_default_and_is_cached(cache_dir: Path, embedded_model_dir: Path) -> None:
+    assert resolve_model_dir(None, cache_dir) == embedded_model_dir
+    assert (embedded_model_dir / "model.safetensors").is_file()
+    assert (embedded_model_dir / "tokenizer.json").is_file()
+
+
+def test_any_local_model_directory_can_be_served(tiny_model_dir: Path, cache_dir: Path) -> None:
+    assert resolve_model_dir(str(tiny_model_dir), cache_dir) == tiny_model_dir
