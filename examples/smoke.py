@@ -28,6 +28,17 @@ WEATHER_TOOL = {
 }
 
 
+# One worked example in the history: the 135M model then answers with a well-formed call.
+CONVERSATION = [
+    {"role": "user", "content": "What is the weather in London?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": "London"})}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "12 C, cloudy"},
+    {"role": "assistant", "content": "It is 12 C and cloudy in London."},
+    {"role": "user", "content": "What is the weather in Paris?"},
+]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -59,7 +70,7 @@ def main() -> None:
         model = client.models.list().data[0].id
         response = client.chat.completions.create(
             model=model,
-            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            messages=CONVERSATION,
             tools=[WEATHER_TOOL],
             tool_choice={"type": "function", "function": {"name": "get_weather"}},
             temperature=0,

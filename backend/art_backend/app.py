@@ -18,11 +18,4 @@ def build_engine(settings: BackendSettings) -> TorchEngine:
 
 
 def build_app(settings: BackendSettings) -> FastAPI:
-    engine = build_engine(settings)
-    app = create_app(engine, api_key=settings.api_key)
-
-    @app.on_event("shutdown")
-    async def stop_engine() -> None:
-        await engine.close()
-
-    return app
+    return create_app(build_engine(settings), api_key=settings.api_key, close_engine_on_shutdown=True)

@@ -11,6 +11,7 @@ import json
 import logging
 import secrets
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -233,9 +234,16 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     return "Invalid request: " + "; ".join(parts), first
 
 
-def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
+def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutdown: bool = False) -> FastAPI:
     service = ChatService(engine)
-    app = FastAPI(title="art-backend", version="0.1.0")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if close_engine_on_shutdown:
+            await engine.close()
+
+    app = FastAPI(title="art-backend", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine
 
     if api_key:
