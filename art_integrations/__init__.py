@@ -3,4 +3,24 @@
 This package stays light (no torch): it talks to the backend over HTTP.
 """
 
+from art_integrations.backend import Backend, BackendError, LocalBackend, RemoteBackend
+from art_integrations.model import TrainableModel, TrainResult
+from art_integrations.training import LoraConfig, TrainConfig
+from art_integrations.trajectory import Choice, History, Trajectory, TrajectoryGroup
+
 __version__ = "0.1.0"
+__all__ = [
+    "Backend",
+    "BackendError",
+    "Choice",
+    "History",
+    "LocalBackend",
+    "LoraConfig",
+    "RemoteBackend",
+    "TrainConfig",
+    "TrainResult",
+    "TrainableModel",
+    "Trajectory",
+    "TrajectoryGroup",
+    "__version__",
+]

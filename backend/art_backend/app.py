@@ -8,6 +8,7 @@ from art_backend.config import BackendSettings
 from art_backend.engine.torch_engine import TorchEngine
 from art_backend.model_store import resolve_model_dir
 from art_backend.server import create_app
+from art_backend.training.service import TrainingService
 
 
 def build_engine(settings: BackendSettings) -> TorchEngine:
@@ -18,4 +19,6 @@ def build_engine(settings: BackendSettings) -> TorchEngine:
 
 
 def build_app(settings: BackendSettings) -> FastAPI:
-    return create_app(build_engine(settings), api_key=settings.api_key, close_engine_on_shutdown=True)
+    engine = build_engine(settings)
+    return create_app(engine, api_key=settings.api_key, close_engine_on_shutdown=True,
+                      training=TrainingService(engine, settings.art_dir))

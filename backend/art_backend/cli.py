@@ -41,11 +41,14 @@ def serve(
              "Env: ART_BACKEND_API_KEY.")] = None,
     cache_dir: Annotated[Optional[Path], typer.Option(help="Converted-model cache. Env: ART_BACKEND_CACHE_DIR.")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="Context limit in tokens.")] = None,
+    art_dir: Annotated[Optional[Path], typer.Option(
+        help="Where trained models live (default .art). Env: ART_BACKEND_ART_DIR.")] = None,
 ) -> None:
     """Serve the model on HTTP until interrupted."""
     overrides = {k: v for k, v in {
         "host": host, "port": port, "model": model, "served_model_name": served_model_name,
-        "api_key": api_key, "cache_dir": cache_dir, "max_model_len": max_model_len}.items() if v is not None}
+        "api_key": api_key, "cache_dir": cache_dir, "max_model_len": max_model_len,
+        "art_dir": art_dir}.items() if v is not None}
     settings = BackendSettings(**overrides)
     if not is_loopback(settings.host) and not settings.api_key:
         raise typer.BadParameter(

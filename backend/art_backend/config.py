@@ -26,6 +26,9 @@ class BackendSettings(BaseSettings):
         default_factory=default_cache_dir,
         description="Where converted models (safetensors) are cached.",
     )
+    art_dir: Path = Field(
+        default=Path(".art"), description="Where trained models live: <art_dir>/<project>/models/<name>/."
+    )
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = Field(

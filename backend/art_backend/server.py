@@ -31,6 +31,8 @@ from art_backend.engine.base import (
     SequenceDelta,
     TokenLogprob,
 )
+from art_backend.training.routes import training_router
+from art_backend.training.service import TrainingRequestError, TrainingService, UnknownModelError
 from art_backend.protocol import ChatCompletionRequest, completion_id, error_body, now
 
 logger = logging.getLogger(__name__)
@@ -234,7 +236,9 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     return "Invalid request: " + "; ".join(parts), first
 
 
-def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutdown: bool = False) -> FastAPI:
+def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutdown: bool = False,
+               training: TrainingService | None = None) -> FastAPI:
+    """The HTTP app over `engine`; with `training`, also the /v1/training routes."""
     service = ChatService(engine)
 
     @asynccontextmanager
@@ -269,7 +273,12 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
     async def on_too_long(_: Request, error: ContextLengthError) -> JSONResponse:
         return JSONResponse(error_body(str(error), "BadRequestError", "messages", 400), status_code=400)
 
+    @app.exception_handler(UnknownModelError)
+    async def on_unknown_trained_model(_: Request, error: UnknownModelError) -> JSONResponse:
+        return JSONResponse(error_body(str(error), "NotFoundError", "name", 404), status_code=404)
+
     @app.exception_handler(ChatFormatError)
+    @app.exception_handler(TrainingRequestError)
     @app.exception_handler(UnsupportedFeatureError)
     async def on_bad_request(_: Request, error: Exception) -> JSONResponse:
         return JSONResponse(error_body(str(error), "BadRequestError", None, 400), status_code=400)
@@ -304,4 +313,6 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
             return StreamingResponse(service.stream(prepared), media_type="text/event-stream")
         return await service.complete(prepared)
 
+    if training is not None:
+        app.include_router(training_router(training))
     return app

@@ -9,7 +9,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from art_backend.training.tokenize import TrainSequence
+    from art_integrations.training import LoraConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -75,8 +79,17 @@ class Engine(Protocol):
         """Stream deltas for all samples of `request`; closing the iterator aborts them."""
         ...
 
-    async def load_adapter(self, name: str, path: Path) -> None:
-        """Serve the peft LoRA adapter saved at `path` under `name` (replacing a same-named one)."""
+    async def load_adapter(self, name: str, path: Path | None) -> None:
+        """Serve the peft LoRA adapter saved at `path` under `name` (replacing a same-named one);
+        `path=None` serves the base model under `name`."""
+        ...
+
+    async def remove_adapter(self, name: str) -> None: ...
+
+    async def train_step(self, model_name: str, sequences: list[TrainSequence], config: TrainConfig,
+                         lora: LoraConfig, resume_from: Path | None, save_to: Path) -> dict[str, float]:
+        """One optimizer step on `model_name`'s adapter (continuing from `resume_from` if it is not
+        in memory); writes the adapter and optimizer state to `save_to`. Requests wait meanwhile."""
         ...
 
     async def close(self) -> None: ...

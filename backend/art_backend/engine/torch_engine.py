@@ -32,6 +32,9 @@ from art_backend.engine.base import (
 )
 from art_backend.engine.llama import LORA_TARGETS, KVCache, LeanLlama, LoraWeights
 from art_backend.engine.sampling import RowSampling, forced_logprobs, sample
+from art_backend.training.tokenize import TrainSequence
+from art_backend.training.trainer import LoraTrainer
+from art_integrations.training import LoraConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +104,8 @@ class TorchEngine:
         self.peak_batch_size = 0  # most sequences decoded in one step so far
         logger.info("Loaded %s in %.1f s on %s", model_dir, time.perf_counter() - started, self.device)
 
-        self._adapters: dict[str, LoraWeights] = {}
+        self._adapters: dict[str, LoraWeights | None] = {}  # None: the base model under another name
+        self._trainer: LoraTrainer | None = None
         self._cache = self.lean.new_cache()
         self._active: list[_Sequence] = []
         self._waiting: deque[_Request] = deque()
@@ -128,10 +132,33 @@ class TorchEngine:
     def served_models(self) -> list[str]:
         return [self.base_model_name, *self._adapters]
 
-    async def load_adapter(self, name: str, path: Path) -> None:
-        weights = await asyncio.to_thread(self._read_adapter, Path(path))
+    async def load_adapter(self, name: str, path: Path | None) -> None:
+        weights = None if path is None else await asyncio.to_thread(self._read_adapter, Path(path))
+        await asyncio.to_thread(self._set_adapter, name, weights)
+
+    def _set_adapter(self, name: str, weights: LoraWeights | None) -> None:
         with self._model_lock:
             self._adapters[name] = weights
+
+    async def remove_adapter(self, name: str) -> None:
+        def remove() -> None:
+            with self._model_lock:
+                self._adapters.pop(name, None)
+
+        await asyncio.to_thread(remove)
+
+    async def train_step(self, model_name: str, sequences: list[TrainSequence], config: TrainConfig,
+                         lora: LoraConfig, resume_from: Path | None, save_to: Path) -> dict[str, float]:
+        def run() -> dict[str, float]:
+            asked = time.perf_counter()
+            with self._model_lock:  # decoding pauses at its next step; queued requests just wait
+                waited = time.perf_counter() - asked
+                if self._trainer is None:
+                    self._trainer = LoraTrainer(self.model)
+                metrics = self._trainer.step(model_name, sequences, config, lora, resume_from, save_to)
+            return {**metrics, "wait_seconds": waited}
+
+        return await asyncio.to_thread(run)
 
     async def close(self) -> None:
         with self._wake:

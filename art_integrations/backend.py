@@ -1,0 +1,149 @@
+"""Backends reached over HTTP: a remote one by URL, or a local one this process starts.
+
+Both speak the same API: OpenAI-compatible inference under /v1 and training under
+/v1/training, so user code does not change between a laptop and a GPU server.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from openai import AsyncOpenAI
+
+
+class BackendError(RuntimeError):
+    """The backend refused or failed a request; the message is the backend's own."""
+
+
+class Backend:
+    """A backend at `base_url` (without the /v1 suffix)."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = None) -> None:
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.api_key = api_key
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # a training step can take minutes on CPU: no read timeout unless asked
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers,
+                                       timeout=httpx.Timeout(timeout, connect=10.0))
+
+    def openai_client(self, **kwargs: Any) -> AsyncOpenAI:
+        return AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused", **kwargs)
+
+    async def request(self, method: str, path: str, json: Any = None) -> Any:
+        try:
+            response = await self._http.request(method, path, json=json)
+        except httpx.TransportError as error:
+            raise BackendError(f"Cannot reach the backend at {self.base_url}: {error!r}. Is it running?") from error
+        if response.is_error:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text
+            raise BackendError(f"{method} {path} failed ({response.status_code}): {message}")
+        return response.json()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> Backend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class RemoteBackend(Backend):
+    """A backend started elsewhere (`art-backend serve --host ... --api-key ...`)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalBackend(Backend):
+    """Starts the bundled backend on loopback: in this process (a server thread), or as a
+    child process (`in_process=False`). Stopped by `close()` or leaving `async with`.
+
+    `model`: a local Hugging Face model directory; default the embedded SmolLM2-135M-Instruct.
+    `art_dir`: where checkpoints, metrics and trajectories are written (default `.art`).
+    """
+
+    def __init__(self, *, in_process: bool = True, model: str | None = None, art_dir: str | Path = ".art",
+                 port: int | None = None, startup_timeout: float = 600.0) -> None:
+        port = port or _free_port()
+        super().__init__(f"http://127.0.0.1:{port}")
+        self._process: subprocess.Popen[bytes] | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        if in_process:
+            self._start_in_process(port, model, Path(art_dir))
+        else:
+            self._start_child(port, model, Path(art_dir))
+        self._wait_until_up(startup_timeout)
+
+    def _start_in_process(self, port: int, model: str | None, art_dir: Path) -> None:
+        try:
+            import uvicorn
+
+            from art_backend.app import build_app
+            from art_backend.config import BackendSettings
+        except ImportError as error:
+            raise BackendError(
+                f"LocalBackend needs the art-backend package ({error}): install it with "
+                "`pip install -e ./backend` (or `make setup`), or connect to a running one with RemoteBackend(url)."
+            ) from error
+        settings = BackendSettings(port=port, art_dir=art_dir, **({"model": model} if model else {}))
+        config = uvicorn.Config(build_app(settings), host="127.0.0.1", port=port, log_level="warning")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="art-local-backend", daemon=True)
+        self._thread.start()
+
+    def _start_child(self, port: int, model: str | None, art_dir: Path) -> None:
+        command = [sys.executable, "-m", "art_backend", "serve", "--port", str(port), "--art-dir", str(art_dir)]
+        if model:
+            command += ["--model", model]
+        self._process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def _wait_until_up(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._process is not None and self._process.poll() is not None:
+                raise BackendError(f"The backend process exited with code {self._process.returncode}; see its log above.")
+            if self._thread is not None and not self._thread.is_alive():
+                raise BackendError("The in-process backend stopped while starting; see the log above.")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self._stop()
+        raise BackendError(f"The local backend did not start within {timeout:.0f} s.")
+
+    def _stop(self) -> None:
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=60)
+            self._server = self._thread = None
+        if self._process is not None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            self._process = None
+
+    async def close(self) -> None:
+        await super().close()
+        self._stop()

@@ -1,0 +1,77 @@
+"""`TrainableModel`: a LoRA policy trained and served by a backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from openai import AsyncOpenAI
+from pydantic import BaseModel, Field, PrivateAttr
+
+from art_integrations.backend import Backend
+from art_integrations.training import LoraConfig, TrainConfig
+from art_integrations.trajectory import TrajectoryGroup
+
+
+class TrainResult(BaseModel):
+    step: int
+    metrics: dict[str, Any]
+
+
+class TrainableModel(BaseModel):
+    """A model trained with GRPO: `name` is served as the newest policy, `name@N` as step N."""
+
+    name: str
+    project: str
+    base_model: str | None = None  # None: whatever the backend serves
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    _backend: Backend | None = PrivateAttr(default=None)
+
+    async def register(self, backend: Backend) -> None:
+        """Attach to `backend`; a model trained before resumes from its newest checkpoint."""
+        answer = await backend.request("POST", "/v1/training/models", {
+            "project": self.project, "name": self.name, "base_model": self.base_model,
+            "lora": self.lora.model_dump()})
+        self.base_model = answer["base_model"]
+        self._backend = backend
+
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            raise RuntimeError(f"Model {self.name!r} is not registered: call `await model.register(backend)` first.")
+        return self._backend
+
+    @property
+    def inference_name(self) -> str:
+        return self.name
+
+    def get_inference_name(self, step: int | None = None) -> str:
+        return self.name if step is None else f"{self.name}@{step}"
+
+    def openai_client(self, **kwargs: Any) -> AsyncOpenAI:
+        """An `AsyncOpenAI` pointed at the backend; use `model=model.inference_name`."""
+        return self.backend.openai_client(**kwargs)
+
+    def _path(self, action: str) -> str:
+        return f"/v1/training/models/{self.project}/{self.name}/{action}"
+
+    async def get_step(self) -> int:
+        return (await self.backend.request("GET", self._path("step")))["step"]
+
+    async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | None = None) -> TrainResult:
+        """One GRPO step on `groups`; the new checkpoint is served before this returns."""
+        body = {"groups": [g.model_dump(mode="json") for g in groups],
+                "config": (config or TrainConfig()).model_dump()}
+        return TrainResult.model_validate(await self.backend.request("POST", self._path("train"), body))
+
+    async def log(self, groups: list[TrajectoryGroup], split: str = "val") -> dict[str, Any]:
+        """Record metrics and trajectories of `groups` at the current step without training."""
+        body = {"groups": [g.model_dump(mode="json") for g in groups], "split": split}
+        return (await self.backend.request("POST", self._path("log"), body))["metrics"]
+
+    async def history(self) -> list[dict[str, Any]]:
+        return await self.backend.request("GET", self._path("history"))
+
+    async def delete_checkpoints(self, best_metric: str = "reward/mean", best_split: str = "val") -> dict[str, Any]:
+        """Delete all checkpoints except the latest and the best by `best_metric` in `best_split`."""
+        return await self.backend.request("POST", self._path("delete_checkpoints"),
+                                          {"best_metric": best_metric, "best_split": best_split})

@@ -1,0 +1,1 @@
+"""GRPO training: trajectory groups -> token sequences -> a LoRA step -> a served checkpoint."""

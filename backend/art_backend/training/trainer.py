@@ -1,0 +1,149 @@
+"""One GRPO step on a LoRA adapter of a transformers model (peft), CPU or one GPU.
+
+One `LoraTrainer` holds every trained model's adapter on the shared base model; each model
+has its own named adapter and AdamW state, kept in memory between steps and in its
+checkpoint directory (`adapter_model.safetensors`, `adapter_config.json`, `optimizer.pt`)
+so a restarted backend continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from pathlib import Path
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel
+
+from art_backend.training.loss import LossConfig, policy_loss
+from art_backend.training.tokenize import TrainSequence
+from art_integrations.training import LoraConfig, TrainConfig
+
+
+def _adapter_key(model_name: str) -> str:
+    # peft adapter names become module attribute names: keep them identifier-like
+    return "m_" + re.sub(r"\W", "_", model_name)
+
+
+def loss_config(config: TrainConfig) -> LossConfig:
+    epsilon = config.epsilon if config.epsilon is not None else (1.0 if config.loss == "cispo" else 0.2)
+    epsilon_high = config.epsilon_high if config.epsilon_high is not None else (
+        4.0 if config.loss == "cispo" else epsilon)
+    return LossConfig(config.loss, epsilon, epsilon_high, config.beta)
+
+
+def _micro_batches(sequences: list[TrainSequence], budget: int) -> list[list[TrainSequence]]:
+    """Group sequences (longest first) so each padded batch stays within `budget` tokens."""
+    batches: list[list[TrainSequence]] = []
+    for seq in sorted(sequences, key=len, reverse=True):
+        if batches and len(batches[-1][0]) * (len(batches[-1]) + 1) <= budget:
+            batches[-1].append(seq)
+        else:
+            batches.append([seq])
+    return batches
+
+
+class LoraTrainer:
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.base = model
+        self.peft: PeftModel | None = None
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.device = next(model.parameters()).device
+        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+    def _adapter(self, model_name: str, lora: LoraConfig, resume_from: Path | None) -> tuple[str, list[torch.nn.Parameter]]:
+        key = _adapter_key(model_name)
+        if self.peft is None or key not in self.peft.peft_config:
+            config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=lora.target_modules,
+                                    lora_dropout=0.0, task_type="CAUSAL_LM")
+            if self.peft is None:
+                self.peft = get_peft_model(self.base, config, adapter_name=key)
+            else:
+                self.peft.add_adapter(key, config)
+        self.peft.set_adapter(key)
+        params = [p for n, p in self.peft.named_parameters() if f".{key}." in n]
+        for p in params:
+            p.requires_grad_(True)
+        if key not in self.optimizers:
+            self.optimizers[key] = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
+            if resume_from is not None:
+                weights = load_file(str(resume_from / "adapter_model.safetensors"), device=str(self.device))
+                set_peft_model_state_dict(self.peft, weights, adapter_name=key)
+                optimizer_state = resume_from / "optimizer.pt"
+                if optimizer_state.is_file():
+                    self.optimizers[key].load_state_dict(torch.load(optimizer_state, map_location=self.device))
+        return key, params
+
+    def step(self, model_name: str, sequences: list[TrainSequence], config: TrainConfig, lora: LoraConfig,
+             resume_from: Path | None, save_to: Path) -> dict[str, float]:
+        started = time.perf_counter()
+        key, params = self._adapter(model_name, lora, resume_from)
+        assert self.peft is not None
+        optimizer = self.optimizers[key]
+        for group in optimizer.param_groups:
+            group["lr"] = config.learning_rate
+        losses = loss_config(config)
+        total_weight = sum(s.weight * sum(s.assistant_mask) for s in sequences)
+        sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clipped_fraction": 0.0, "entropy": 0.0}
+        self.peft.train()
+        for batch in _micro_batches(sequences, config.micro_batch_tokens):
+            terms, entropy = self._backward(batch, config, losses, total_weight)
+            sums["loss"] += float(terms.loss.detach())
+            sums["policy_loss"] += float(terms.policy_loss)
+            sums["kl"] += float(terms.kl)
+            sums["clipped_fraction"] += float(terms.clipped_fraction)
+            sums["entropy"] += entropy
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.peft.eval()
+        self._save(key, optimizer, save_to)
+        return {**sums, "grad_norm": float(grad_norm), "train_seconds": time.perf_counter() - started}
+
+    def _backward(self, batch: list[TrainSequence], config: TrainConfig, losses: LossConfig,
+                  total_weight: float) -> tuple[object, float]:
+        assert self.peft is not None
+        length = len(batch[0])
+        ids = torch.full((len(batch), length), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(batch), length), dtype=torch.long)
+        rollout = torch.full((len(batch), length), math.nan)
+        weights = torch.zeros((len(batch), length))
+        advantages = torch.zeros((len(batch), length))
+        for row, seq in enumerate(batch):
+            n = len(seq)
+            ids[row, :n] = torch.tensor(seq.token_ids)
+            attention[row, :n] = 1
+            rollout[row, :n] = torch.tensor(seq.logprobs)
+            weights[row, :n] = torch.tensor(seq.assistant_mask, dtype=torch.float) * (seq.weight / total_weight)
+            advantages[row, :n] = seq.advantage
+        ids, attention = ids.to(self.device), attention.to(self.device)
+        # position t's logits predict token t+1: align everything on the predicted token
+        targets = ids[:, 1:, None]
+        rollout, weights, advantages = (x[:, 1:].to(self.device) for x in (rollout, weights, advantages))
+
+        logits = self.peft(input_ids=ids, attention_mask=attention).logits[:, :-1].float() / config.temperature
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logp_new = logp_all.gather(-1, targets)[..., 0]
+        logp_ref = None
+        if losses.beta:
+            with torch.no_grad(), self.peft.disable_adapter():
+                ref_logits = self.peft(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+                logp_ref = torch.log_softmax(ref_logits / config.temperature, dim=-1).gather(-1, targets)[..., 0]
+        terms = policy_loss(logp_new, rollout, advantages, weights, losses, logp_ref)
+        terms.loss.backward()
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            entropy_sum = float((entropy * weights).sum())
+        return terms, entropy_sum
+
+    def _save(self, key: str, optimizer: torch.optim.Optimizer, save_to: Path) -> None:
+        assert self.peft is not None
+        save_to.mkdir(parents=True, exist_ok=True)
+        state = get_peft_model_state_dict(self.peft, adapter_name=key)
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(save_to / "adapter_model.safetensors"))
+        self.peft.peft_config[key].save_pretrained(str(save_to))
+        torch.save(optimizer.state_dict(), save_to / "optimizer.pt")
