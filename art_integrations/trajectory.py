@@ -94,10 +94,10 @@ class Trajectory(History):
     logs: list[str] = Field(default_factory=list)
     additional_histories: list[History] = Field(default_factory=list)
 
-    @field_validator("metrics")
+    @field_validator("metrics", mode="before")
     @classmethod
-    def _metrics_are_numbers(cls, metrics: dict[str, Any]) -> dict[str, Any]:
-        for key, value in metrics.items():
+    def _metrics_are_numbers(cls, metrics: Any) -> Any:
+        for key, value in (metrics.items() if isinstance(metrics, dict) else ()):
             if not isinstance(value, (int, float, bool)) or (isinstance(value, float) and math.isnan(value)):
                 raise ValueError(
                     f"metric {key!r} is {value!r} ({type(value).__name__}); metrics must be numbers or "

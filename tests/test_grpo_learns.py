@@ -1,0 +1,60 @@
+"""Proof that training learns: a few GRPO steps of the real embedded model raise the reward on
+held-out prompts. Task: name something of a category in exactly one word; partial credit
+shrinks with every extra word, so the base model's rollouts score differently within a group."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import statistics
+from pathlib import Path
+
+from art_integrations import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
+
+TRAIN_CATEGORIES = ["color", "fruit", "animal", "country", "vegetable", "musical instrument", "sport", "planet"]
+HELD_OUT_CATEGORIES = ["flower", "metal", "city", "tree", "bird", "drink"]
+ROLLOUTS_PER_GROUP = 8
+
+
+def one_word_reward(text: str) -> float:
+    words = re.findall(r"[A-Za-z']+", text)
+    return max(0.0, 1.0 - (len(words) - 1) / 8) if words else 0.0
+
+
+async def rollout_groups(model: TrainableModel, categories: list[str], seed: int) -> list[TrajectoryGroup]:
+    client = model.openai_client()
+
+    async def rollout(category: str, i: int) -> Trajectory:
+        messages = [{"role": "user", "content": f"Name a {category}. Answer with one word."}]
+        response = await client.chat.completions.create(
+            model=model.inference_name, messages=messages, max_tokens=12, temperature=1.0, seed=seed * 1000 + i,
+            logprobs=True, extra_body={"return_token_ids": True})
+        trajectory = Trajectory(messages_and_choices=messages, metadata={"category": category})
+        trajectory.add_response(response)
+        trajectory.reward = one_word_reward(response.choices[0].message.content or "")
+        return trajectory
+
+    async def group(category: str) -> TrajectoryGroup:
+        return TrajectoryGroup(trajectories=await asyncio.gather(
+            *(rollout(category, i) for i in range(ROLLOUTS_PER_GROUP))))
+
+    return list(await asyncio.gather(*(group(c) for c in categories)))
+
+
+def mean_reward(groups: list[TrajectoryGroup]) -> float:
+    return statistics.fmean(t.reward for g in groups for t in g.trajectories)
+
+
+async def test_grpo_raises_held_out_reward_of_the_embedded_model(tmp_path: Path) -> None:
+    async with LocalBackend(art_dir=tmp_path) as backend:
+        model = TrainableModel(name="one-word", project="proof")
+        await model.register(backend)
+        before = mean_reward(await rollout_groups(model, HELD_OUT_CATEGORIES, seed=99))
+        for step in range(4):
+            categories = TRAIN_CATEGORIES[:4] if step % 2 == 0 else TRAIN_CATEGORIES[4:]
+            result = await model.train(await rollout_groups(model, categories, seed=step),
+                                       TrainConfig(learning_rate=2e-4))
+            assert result.step == step + 1
+        after = mean_reward(await rollout_groups(model, HELD_OUT_CATEGORIES, seed=99))
+    print(f"held-out one-word reward: base {before:.3f} -> trained {after:.3f}")
+    assert after >= before + 0.2, (before, after)

@@ -1,0 +1,118 @@
+"""Training through the user's API against real backends (tiny model): checkpoints, serving,
+history, resuming after a restart, and a backend in a child process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from art_integrations import BackendError, LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
+
+TINY = "tiny-random-smollm2"
+
+
+async def _group(model: TrainableModel, scenario: str, rewards: list[float]) -> TrajectoryGroup:
+    client = model.openai_client()
+    trajectories = []
+    for i, reward in enumerate(rewards):
+        messages = [{"role": "user", "content": f"{scenario} {i}"}]
+        response = await client.chat.completions.create(
+            model=model.inference_name, messages=messages, max_tokens=6, logprobs=True, seed=i,
+            extra_body={"return_token_ids": True})
+        trajectory = Trajectory(messages_and_choices=messages, reward=reward, metrics={"length": i})
+        trajectory.add_response(response)
+        trajectories.append(trajectory)
+    return TrajectoryGroup(trajectories=trajectories)
+
+
+async def test_train_writes_a_checkpoint_serves_it_and_resumes_after_restart(tmp_path: Path) -> None:
+    art_dir = tmp_path / ".art"
+    backend = LocalBackend(model=TINY, art_dir=art_dir)
+    try:
+        model = TrainableModel(name="agent", project="demo")
+        await model.register(backend)
+        assert await model.get_step() == 0
+        groups = [await _group(model, "a", [0.0, 1.0, 0.5]), await _group(model, "b", [1.0, 1.0, 1.0])]
+
+        # inference keeps working while the step trains
+        client = model.openai_client()
+        during = [client.chat.completions.create(model=model.inference_name, max_tokens=4,
+                                                 messages=[{"role": "user", "content": f"hi {i}"}]) for i in range(4)]
+        result, *answers = await asyncio.gather(model.train(groups, TrainConfig(learning_rate=1e-3)), *during)
+        assert all(a.choices[0].finish_reason in ("stop", "length") for a in answers)
+
+        assert result.step == 1 and await model.get_step() == 1
+        metrics = result.metrics
+        assert metrics["groups/trained"] == 1 and metrics["groups/skipped_zero_variance"] == 1
+        assert metrics["tokens/assistant"] > 0 and metrics["grad_norm"] > 0
+        for key in ("reward/mean", "reward/std", "loss", "entropy", "kl", "seconds", "metrics/length"):
+            assert key in metrics
+        directory = art_dir / "demo" / "models" / "agent"
+        checkpoint = directory / "checkpoints" / "0001"
+        assert {p.name for p in checkpoint.iterdir()} >= {"adapter_model.safetensors", "adapter_config.json",
+                                                          "optimizer.pt"}
+        history = [json.loads(line) for line in (directory / "history.jsonl").read_text().splitlines()]
+        assert history[-1]["step"] == 1 and history[-1]["split"] == "train"
+        stored = (directory / "trajectories" / "train" / "0001.jsonl").read_text().splitlines()
+        assert len(stored) == 2 and TrajectoryGroup.model_validate_json(stored[0]).trajectories[0].reward == 0.0
+
+        served = {m.id for m in (await client.models.list()).data}
+        assert {"agent", "agent@0", "agent@1"} <= served
+        base = await client.chat.completions.create(model="agent@0", messages=[{"role": "user", "content": "x"}],
+                                                    max_tokens=4, temperature=0, logprobs=True)
+        tuned = await client.chat.completions.create(model="agent@1", messages=[{"role": "user", "content": "x"}],
+                                                     max_tokens=4, temperature=0, logprobs=True)
+        assert base.choices[0].logprobs.content[0].logprob != tuned.choices[0].logprobs.content[0].logprob
+
+        nothing = await model.train([groups[1]])
+        assert nothing.step == 1 and nothing.metrics["trained"] is False and "equal rewards" in nothing.metrics["note"]
+
+        val = await model.log(groups, split="val")
+        assert val["reward/mean"] == pytest.approx(4.5 / 6)
+    finally:
+        await backend.close()
+
+    restarted = LocalBackend(model=TINY, art_dir=art_dir)
+    try:
+        model = TrainableModel(name="agent", project="demo")
+        await model.register(restarted)
+        assert await model.get_step() == 1
+        result = await model.train([await _group(model, "c", [0.0, 1.0])], TrainConfig(learning_rate=1e-3))
+        assert result.step == 2
+        optimizer = torch.load(art_dir / "demo" / "models" / "agent" / "checkpoints" / "0002" / "optimizer.pt")
+        assert {float(s["step"]) for s in optimizer["state"].values()} == {2.0}  # Adam state carried over
+
+        deleted = await model.delete_checkpoints(best_metric="reward/mean", best_split="val")
+        assert deleted == {"deleted": [], "kept": [1, 2]}  # step 1 is the best validated, 2 the latest
+    finally:
+        await restarted.close()
+
+
+async def test_missing_token_ids_get_a_clear_error(tmp_path: Path) -> None:
+    async with LocalBackend(model=TINY, art_dir=tmp_path) as backend:
+        model = TrainableModel(name="m", project="p")
+        await model.register(backend)
+        group = TrajectoryGroup(trajectories=[
+            Trajectory(messages_and_choices=[{"role": "user", "content": "q"},
+                                             {"message": {"role": "assistant", "content": "a"}}], reward=r)
+            for r in (0.0, 1.0)])
+        with pytest.raises(BackendError, match="return_token_ids"):
+            await model.train([group])
+        with pytest.raises(BackendError, match="not registered"):
+            await backend.request("GET", "/v1/training/models/p/other/step")
+        with pytest.raises(BackendError, match="serves 'tiny-random-smollm2'"):
+            await TrainableModel(name="x", project="p", base_model="Qwen/Qwen3-8B").register(backend)
+
+
+async def test_backend_in_a_child_process_starts_and_stops(tmp_path: Path) -> None:
+    backend = LocalBackend(in_process=False, model=TINY, art_dir=tmp_path)
+    process = backend._process
+    model = TrainableModel(name="child", project="p")
+    await model.register(backend)
+    assert await model.get_step() == 0
+    await backend.close()
+    assert process is not None and process.returncode is not None

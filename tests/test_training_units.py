@@ -1,0 +1,105 @@
+"""GRPO pieces in isolation: the loss against a hand computation, sequence building, advantages."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from art_backend.training.loss import LossConfig, policy_loss
+from art_backend.training.service import group_advantages
+from art_backend.training.tokenize import MissingTokensError, TokenizeStats, tokenize_trajectory
+from art_integrations import Choice, History, Trajectory
+
+
+def test_cispo_loss_matches_a_hand_computation() -> None:
+    logp_new = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    logp_rollout = torch.tensor([-1.0, -1.0, -3.0])
+    advantages = torch.tensor([1.0, -1.0, 2.0])
+    weights = torch.tensor([0.5, 0.25, 0.25])
+    terms = policy_loss(logp_new, logp_rollout, advantages, weights, LossConfig("cispo", 0.2, 0.5))
+    # ratios: 1, e^-1 = 0.368 -> clipped to 0.8, e^2.5 = 12.18 -> clipped to 1.5
+    expected = -(0.5 * 1.0 * 1.0 * -1.0 + 0.25 * 0.8 * -1.0 * -2.0 + 0.25 * 1.5 * 2.0 * -0.5)
+    assert terms.loss.item() == pytest.approx(expected)
+    assert float(terms.clipped_fraction) == pytest.approx(0.5)
+    terms.loss.backward()
+    # d loss / d logp_new_t = -w_t * clip(ratio_t) * A_t (the clipped ratio carries no gradient)
+    assert logp_new.grad.tolist() == pytest.approx([-0.5, 0.2, -0.75])
+
+
+def test_ppo_loss_matches_a_hand_computation() -> None:
+    logp_new = torch.tensor([math.log(1.5), math.log(0.5)])
+    logp_rollout = torch.zeros(2)
+    advantages = torch.tensor([1.0, 1.0])
+    weights = torch.tensor([0.5, 0.5])
+    terms = policy_loss(logp_new, logp_rollout, advantages, weights, LossConfig("ppo", 0.2, 0.2))
+    # token 0: min(1.5, 1.2) = 1.2; token 1: min(0.5, 0.8) = 0.5
+    assert float(terms.loss) == pytest.approx(-(0.5 * 1.2 + 0.5 * 0.5))
+
+
+def test_kl_term_and_unknown_rollout_logprobs() -> None:
+    logp_new = torch.tensor([-1.0])
+    logp_ref = torch.tensor([-2.0])
+    terms = policy_loss(logp_new, torch.tensor([math.nan]), torch.tensor([0.0]), torch.tensor([1.0]),
+                        LossConfig(beta=0.1), logp_ref)
+    kl = math.exp(-1.0) - (-1.0) - 1
+    assert float(terms.kl) == pytest.approx(kl)
+    assert float(terms.loss) == pytest.approx(0.1 * kl)  # advantage 0, ratio 1 where unknown
+
+
+def _choice(prompt: list[int], completion: list[int], logprobs: list[float] | None = None) -> Choice:
+    lp = {"content": [{"token": "", "logprob": x} for x in logprobs]} if logprobs else None
+    return Choice(message={"role": "assistant", "content": "x"}, prompt_token_ids=prompt, token_ids=completion,
+                  logprobs=lp)
+
+
+def test_turns_chain_on_exact_prefix_and_break_otherwise() -> None:
+    trajectory = Trajectory(messages_and_choices=[
+        {"role": "user", "content": "q"},
+        _choice([1, 2], [3, 4], [-0.1, -0.2]),
+        {"role": "tool", "content": "r", "tool_call_id": "a"},
+        _choice([1, 2, 3, 4, 5], [6], [-0.3]),  # extends the running sequence
+        _choice([9, 9], [7], [-0.4]),  # does not: a new sequence
+    ], additional_histories=[History(messages_and_choices=[_choice([8], [8, 8])])])
+    stats = TokenizeStats()
+    sequences = tokenize_trajectory(trajectory, advantage=0.5, where="t", stats=stats, max_length=100)
+    assert [s.token_ids for s in sequences] == [[1, 2, 3, 4, 5, 6], [9, 9, 7], [8, 8, 8]]
+    assert sequences[0].assistant_mask == [False, False, True, True, False, True]
+    assert sequences[0].logprobs[2:4] == [-0.1, -0.2] and math.isnan(sequences[0].logprobs[4])
+    assert all(math.isnan(x) for x in sequences[2].logprobs)  # no logprobs captured: NaN (ratio 1)
+    assert stats.prefix_breaks == 1 and stats.sequences == 3 and stats.assistant_tokens == 6
+    assert {s.advantage for s in sequences} == {0.5}
+    assert {s.weight for s in sequences} == {1 / 6}
+
+
+def test_a_turn_without_token_ids_is_refused_with_the_fix() -> None:
+    trajectory = Trajectory(messages_and_choices=[Choice(message={"role": "assistant", "content": "x"})])
+    with pytest.raises(MissingTokensError, match="return_token_ids"):
+        tokenize_trajectory(trajectory, 1.0, "group 0, trajectory 0", TokenizeStats(), 100)
+
+
+def test_group_advantages() -> None:
+    assert group_advantages([1.0, 1.0, 1.0], scale=True) is None
+    assert group_advantages([2.0], scale=True) is None
+    assert group_advantages([0.0, 1.0], scale=False) == [-0.5, 0.5]
+    scaled = group_advantages([0.0, 1.0], scale=True)
+    assert scaled == pytest.approx([-1.0, 1.0], abs=1e-5)
+
+
+def test_metrics_must_be_numbers() -> None:
+    with pytest.raises(ValueError, match="metric 'note' is 'hello'"):
+        Trajectory(metrics={"note": "hello"})
+    assert Trajectory(metrics={"ok": True, "n": 3, "x": 0.5}).metrics["ok"] is True
+
+
+def test_json_has_arts_trajectory_shape() -> None:
+    trajectory = Trajectory(messages_and_choices=[{"role": "user", "content": "q"}, _choice([1], [2], [-0.5])],
+                            reward=1.0, metrics={"turns": 1}, metadata={"scenario": "s1"}, logs=["hi"],
+                            additional_histories=[History(messages_and_choices=[{"role": "user", "content": "s"}])])
+    data = trajectory.model_dump(mode="json")
+    assert {"messages_and_choices", "additional_histories", "reward", "metrics", "metadata", "logs"} <= set(data)
+    assert data["messages_and_choices"][1]["message"] == {"role": "assistant", "content": "x"}
+    assert data["messages_and_choices"][1]["logprobs"]["content"][0]["logprob"] == -0.5
+    again = Trajectory.model_validate_json(trajectory.model_dump_json())
+    assert isinstance(again.messages_and_choices[1], Choice) and again == trajectory
