@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup smoke test bench-serving clean
+.PHONY: setup smoke test bench-serving bench-training clean
 
 $(BIN)/.installed: pyproject.toml backend/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ test: setup
 
 bench-serving: setup
 	$(BIN)/python benchmarks/bench_serving.py
+
+bench-training: setup
+	$(BIN)/python benchmarks/bench_training.py
 
 clean:
 	rm -rf $(VENV)
