@@ -3,6 +3,13 @@
 This package stays light (no torch): it talks to the backend over HTTP.
 """
 
+from art_integrations.capture import art_capture, current_capture
+from art_integrations.gather import (
+    TooManyRolloutErrors,
+    gather_trajectories,
+    gather_trajectory_groups,
+    trajectory_group,
+)
 from art_integrations.backend import Backend, BackendError, LocalBackend, RemoteBackend
 from art_integrations.model import TrainableModel, TrainResult
 from art_integrations.training import LoraConfig, TrainConfig
@@ -23,4 +30,10 @@ __all__ = [
     "Trajectory",
     "TrajectoryGroup",
     "__version__",
+    "TooManyRolloutErrors",
+    "art_capture",
+    "current_capture",
+    "gather_trajectories",
+    "gather_trajectory_groups",
+    "trajectory_group",
 ]

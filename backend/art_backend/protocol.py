@@ -109,6 +109,10 @@ class ChatCompletionRequest(_Lenient):
         return self.tool_choice
 
 
+class TokenRecordsRequest(_Lenient):
+    ids: list[str] = Field(max_length=4096)
+
+
 def completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 

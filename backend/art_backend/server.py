@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from art_backend.engine.base import (
 )
 from art_backend.training.routes import training_router
 from art_backend.training.service import TrainingRequestError, TrainingService, UnknownModelError
-from art_backend.protocol import ChatCompletionRequest, completion_id, error_body, now
+from art_backend.protocol import ChatCompletionRequest, TokenRecordsRequest, completion_id, error_body, now
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +59,32 @@ class _Choice:
     finish_reason: str | None = None
 
 
+class TokenRecords:
+    """The exact tokens of recent choices, by choice id, for clients that cannot see the
+    response body: LangChain's ChatOpenAI drops `token_ids`, but keeps the message `id`, so a
+    callback handler can fetch the tokens of the calls it saw afterwards."""
+
+    def __init__(self, capacity: int = 16384) -> None:
+        self.capacity = capacity
+        self._records: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    def add(self, choice_id: str, model: str, prompt_ids: list[int], choice: _Choice) -> None:
+        self._records[choice_id] = {"model": model, "prompt_token_ids": prompt_ids, "token_ids": choice.token_ids,
+                                    "logprobs": [t.logprob for t in choice.logprobs]}
+        while len(self._records) > self.capacity:
+            self._records.popitem(last=False)
+
+    def get(self, choice_id: str) -> dict[str, Any] | None:
+        return self._records.get(choice_id)
+
+
 class ChatService:
     """Turns chat requests into engine requests and engine output into OpenAI responses."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.formatter = ChatFormatter(engine.tokenizer)
+        self.records = TokenRecords()
         self._token_text = lru_cache(maxsize=65536)(self._decode_one)
 
     def _decode_one(self, token_id: int) -> str:
@@ -141,6 +162,7 @@ class ChatService:
             choice.text += delta.text
             choice.finish_reason = delta.finish_reason or choice.finish_reason
         out_choices = []
+        response_id = completion_id()
         for choice in choices:
             parsed = self.formatter.parse(choice.text) if prepared.parse_tools else None
             message: dict[str, Any] = {"role": "assistant", "content": choice.text}
@@ -155,11 +177,13 @@ class ChatService:
             entry["finish_reason"] = self._finish_reason(choice.finish_reason, parsed)
             if body.return_token_ids:
                 entry["token_ids"] = choice.token_ids
+                message["id"] = f"{response_id}-{choice.index}"
+                self.records.add(message["id"], body.model, generation.prompt_ids, choice)
             out_choices.append(entry)
         completion_tokens = sum(len(c.token_ids) for c in choices)
         prompt_tokens = len(generation.prompt_ids)
         response: dict[str, Any] = {
-            "id": completion_id(), "object": "chat.completion", "created": now(), "model": body.model,
+            "id": response_id, "object": "chat.completion", "created": now(), "model": body.model,
             "choices": out_choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
@@ -182,13 +206,20 @@ class ChatService:
                       "finish_reason": None} for i in range(generation.n)], **first)
         filters = [ToolCallStreamFilter(self.formatter) if prepared.parse_tools else None
                    for _ in range(generation.n)]
+        choices = [_Choice(i) for i in range(generation.n)]
         completion_tokens = 0
         try:
             async for delta in self.engine.generate(generation):
                 completion_tokens += len(delta.token_ids)
-                yield chunk([self._stream_choice(body, delta, filters[delta.index])])
+                choice_id = f"{base['id']}-{delta.index}" if body.return_token_ids else None
+                yield chunk([self._stream_choice(body, delta, filters[delta.index], choice_id)])
+                if body.return_token_ids:
+                    choices[delta.index].token_ids += delta.token_ids
+                    choices[delta.index].logprobs += delta.logprobs
                 if delta.finish_reason is not None:
-                    yield chunk([self._stream_finish(delta, filters[delta.index])])
+                    if choice_id is not None:
+                        self.records.add(choice_id, body.model, generation.prompt_ids, choices[delta.index])
+                    yield chunk([self._stream_finish(delta, filters[delta.index], choice_id)])
         except Exception as error:  # headers are sent: report in-band, as vLLM does
             logger.exception("Generation failed mid-stream")
             yield f"data: {json.dumps(error_body(str(error), 'InternalServerError', code=500))}\n\n"
@@ -200,11 +231,14 @@ class ChatService:
         yield "data: [DONE]\n\n"
 
     def _stream_choice(self, body: ChatCompletionRequest, delta: SequenceDelta,
-                       stream_filter: ToolCallStreamFilter | None) -> dict[str, Any]:
+                       stream_filter: ToolCallStreamFilter | None, choice_id: str | None) -> dict[str, Any]:
         content = stream_filter.feed(delta.text) if stream_filter else delta.text
+        message: dict[str, Any] = {"content": content} if content else {}
+        if choice_id is not None:
+            message["id"] = choice_id
         choice: dict[str, Any] = {
             "index": delta.index,
-            "delta": {"content": content} if content else {},
+            "delta": message,
             "logprobs": self._logprobs(delta.logprobs) if body.logprobs else None,
             "finish_reason": None,
         }
@@ -212,9 +246,10 @@ class ChatService:
             choice["token_ids"] = delta.token_ids
         return choice
 
-    def _stream_finish(self, delta: SequenceDelta, stream_filter: ToolCallStreamFilter | None) -> dict[str, Any]:
+    def _stream_finish(self, delta: SequenceDelta, stream_filter: ToolCallStreamFilter | None,
+                       choice_id: str | None) -> dict[str, Any]:
         parsed = stream_filter.finish() if stream_filter else None
-        message: dict[str, Any] = {}
+        message: dict[str, Any] = {"id": choice_id} if choice_id is not None else {}
         choice: dict[str, Any] = {"index": delta.index, "delta": message, "logprobs": None}
         if parsed is not None:
             if parsed.content:
@@ -293,6 +328,11 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
         logger.exception("Request failed")
         return JSONResponse(error_body(f"{type(error).__name__}: {error}", "InternalServerError", None, 500),
                             status_code=500)
+
+    @app.post("/v1/art/token_records")
+    async def token_records(body: TokenRecordsRequest) -> dict[str, Any]:
+        """Exact tokens of recent choices made with `return_token_ids`, by choice (message) id."""
+        return {"records": {choice_id: service.records.get(choice_id) for choice_id in body.ids}}
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -1,0 +1,250 @@
+"""`art_capture()`: every model call made inside lands in one trajectory, with exact tokens.
+
+Integrations (the LangChain callback handler, the LlamaIndex handler, the drop-in models)
+report each finished call with `record_call()`. The call goes to the innermost capture open
+in the caller's context (a `ContextVar`, so concurrent asyncio tasks and LangChain's executor
+threads each see their own). On exit the calls' exact tokens are fetched from the backend in
+one request and the calls become the trajectory's conversations:
+
+- calls are grouped by agent (LangGraph's checkpoint namespace: the root graph is the main
+  agent, each subgraph a sub-agent);
+- within an agent, a call continues a conversation when its prompt token ids extend that
+  conversation's last prompt + completion exactly, else it starts a branch;
+- the main agent's first conversation is the trajectory's own; every other one becomes an
+  additional history.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from contextvars import ContextVar, Token
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from art_integrations.trajectory import Choice, History, Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelCall:
+    """One model call as an integration saw it; `choice` gets its exact tokens on capture exit."""
+
+    endpoint: str  # the OpenAI base URL the call went to (…/v1)
+    record_id: str | None  # the choice's id on the backend (its message id), None if not returned
+    messages: list[dict[str, Any]]
+    response: dict[str, Any]  # the assistant message, OpenAI-shaped
+    finish_reason: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    agent: str = ""  # "" = the main agent
+    metadata: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+    api_key: str | None = None
+    choice: Choice | None = None
+
+
+class CaptureScope:
+    def __init__(self, trajectory: Trajectory) -> None:
+        self.trajectory = trajectory
+        self.calls: list[ModelCall] = []
+        self._lock = threading.Lock()  # calls may arrive from executor threads
+
+    def add(self, call: ModelCall) -> None:
+        with self._lock:
+            self.calls.append(call)
+
+    def error(self, message: str) -> None:
+        """A recording problem: kept in the trajectory's logs and counted, never dropped."""
+        logger.warning("art_capture: %s", message)
+        with self._lock:
+            self.trajectory.logs.append(f"capture error: {message}")
+            errors = self.trajectory.metrics.get("capture_errors", 0)
+            self.trajectory.metrics["capture_errors"] = int(errors) + 1
+
+
+_current: ContextVar[CaptureScope | None] = ContextVar("art_capture", default=None)
+
+
+def current_capture() -> CaptureScope | None:
+    return _current.get()
+
+
+def record_call(call: ModelCall, scope: CaptureScope | None = None) -> bool:
+    """Add `call` to `scope` (default: the capture open here). False when there is none."""
+    scope = scope or _current.get()
+    if scope is None:
+        logger.debug("Model call outside art_capture(): served, not recorded")
+        return False
+    scope.add(call)
+    return True
+
+
+# ----- fetching tokens ---------------------------------------------------------------------
+
+
+def _requests(calls: list[ModelCall]) -> dict[tuple[str, str | None], list[ModelCall]]:
+    by_endpoint: dict[tuple[str, str | None], list[ModelCall]] = {}
+    for call in calls:
+        if call.record_id is not None:
+            by_endpoint.setdefault((call.endpoint.rstrip("/"), call.api_key), []).append(call)
+    return by_endpoint
+
+
+def _apply_records(scope: CaptureScope, calls: list[ModelCall], records: dict[str, Any]) -> None:
+    for call in calls:
+        record = records.get(call.record_id or "")
+        if record is None:
+            scope.error(f"the backend has no tokens for call {call.record_id} (evicted, or another server); "
+                        "the turn is kept as a message and not trained on")
+            continue
+        call.choice = Choice(
+            message=call.response, finish_reason=call.finish_reason,
+            logprobs={"content": [{"token": "", "logprob": lp} for lp in record["logprobs"]]},
+            prompt_token_ids=record["prompt_token_ids"], token_ids=record["token_ids"])
+
+
+def _missing_ids(scope: CaptureScope) -> None:
+    for call in scope.calls:
+        if call.record_id is None:
+            scope.error(f"a call to {call.endpoint} returned no token record: point the chat model at an "
+                        "art-backend and send extra_body={'return_token_ids': True}")
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def fetch_tokens(scope: CaptureScope) -> None:
+    _missing_ids(scope)
+    for (endpoint, api_key), calls in _requests(scope.calls).items():
+        try:
+            response = httpx.post(f"{endpoint}/art/token_records", json={"ids": [c.record_id for c in calls]},
+                                  headers=_headers(api_key), timeout=60)
+            response.raise_for_status()
+        except httpx.HTTPError as error:
+            scope.error(f"fetching tokens from {endpoint} failed: {error!r}")
+            continue
+        _apply_records(scope, calls, response.json()["records"])
+
+
+async def afetch_tokens(scope: CaptureScope) -> None:
+    _missing_ids(scope)
+    async with httpx.AsyncClient(timeout=60) as client:
+        for (endpoint, api_key), calls in _requests(scope.calls).items():
+            try:
+                response = await client.post(f"{endpoint}/art/token_records",
+                                             json={"ids": [c.record_id for c in calls]}, headers=_headers(api_key))
+                response.raise_for_status()
+            except httpx.HTTPError as error:
+                scope.error(f"fetching tokens from {endpoint} failed: {error!r}")
+                continue
+            _apply_records(scope, calls, response.json()["records"])
+
+
+# ----- assembling histories ----------------------------------------------------------------
+
+
+def _continues(call: ModelCall, last: ModelCall) -> bool:
+    if call.choice is not None and last.choice is not None:
+        prefix = (last.choice.prompt_token_ids or []) + (last.choice.token_ids or [])
+        return (call.choice.prompt_token_ids or [])[: len(prefix)] == prefix
+    # without tokens, fall back to the messages: the earlier conversation plus its reply
+    seen = len(last.messages)
+    return call.messages[:seen] == last.messages and len(call.messages) > seen
+
+
+def _conversations(calls: list[ModelCall]) -> list[list[ModelCall]]:
+    conversations: list[list[ModelCall]] = []
+    for call in calls:
+        for conversation in conversations:
+            if _continues(call, conversation[-1]):
+                conversation.append(call)
+                break
+        else:
+            conversations.append([call])
+    return conversations
+
+
+def _history(conversation: list[ModelCall]) -> History:
+    items: list[Any] = []
+    seen = 0
+    for call in conversation:
+        items += call.messages[seen:]
+        items.append(call.choice if call.choice is not None else call.response)
+        seen = len(call.messages) + 1  # its messages and the reply it produced
+    return History(messages_and_choices=items, tools=conversation[0].tools)
+
+
+def assemble(scope: CaptureScope) -> None:
+    """Turn the recorded calls into the trajectory's main and additional histories."""
+    calls = sorted(scope.calls, key=lambda c: c.started)
+    trajectory = scope.trajectory
+    if not calls:
+        return
+    agents: dict[str, list[ModelCall]] = {}
+    for call in calls:
+        agents.setdefault(call.agent, []).append(call)
+    main_agent = "" if "" in agents else calls[0].agent
+    ordered = [main_agent, *(a for a in agents if a != main_agent)]
+    histories = [(agent, _history(c)) for agent in ordered for c in _conversations(agents[agent])]
+    main = histories[0][1]
+    trajectory.messages_and_choices += main.messages_and_choices
+    trajectory.tools = trajectory.tools or main.tools
+    trajectory.additional_histories += [h for _, h in histories[1:]]
+    if len(histories) > 1:
+        trajectory.metadata.setdefault("additional_history_agents", []).extend(a or "main" for a, _ in histories[1:])
+    nodes = sorted({str(c.metadata["langgraph_node"]) for c in calls if c.metadata.get("langgraph_node")})
+    if nodes:
+        trajectory.metadata["langgraph_nodes"] = nodes
+    trajectory.metrics["model_calls"] = len(calls)
+
+
+# ----- the context manager -----------------------------------------------------------------
+
+
+class art_capture:  # noqa: N801 - used like a function: `with art_capture() as trajectory:`
+    """Record every model call made inside into a `Trajectory` (sync `with` or `async with`).
+
+    Calls from asyncio tasks created inside, and from LangChain's executor threads, are
+    included; concurrent captures never mix. Nested captures are allowed: a call goes to the
+    innermost one. An exception inside propagates; the partial trajectory stays available.
+    """
+
+    def __init__(self, trajectory: Trajectory | None = None, **metadata: Any) -> None:
+        self.trajectory = trajectory if trajectory is not None else Trajectory()
+        self.trajectory.metadata.update(metadata)
+        self.scope = CaptureScope(self.trajectory)
+        self._token: Token[CaptureScope | None] | None = None
+
+    def __enter__(self) -> Trajectory:
+        self._token = _current.set(self.scope)
+        return self.trajectory
+
+    def __exit__(self, *exc: object) -> None:
+        self._close()
+        fetch_tokens(self.scope)
+        self._finish()
+
+    async def __aenter__(self) -> Trajectory:
+        return self.__enter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._close()
+        await afetch_tokens(self.scope)
+        self._finish()
+
+    def _close(self) -> None:
+        if self._token is not None:
+            _current.reset(self._token)
+            self._token = None
+
+    def _finish(self) -> None:
+        try:
+            assemble(self.scope)
+        except Exception:  # a bug here must not eat the rollout: keep it visible on the trajectory
+            self.scope.error("assembling the trajectory failed:\n" + traceback.format_exc())

@@ -1,0 +1,135 @@
+"""Running rollouts in groups: N rollouts per scenario, many scenarios at once.
+
+    groups = await gather_trajectory_groups(
+        [trajectory_group(lambda: rollout(scenario), n=8, scenario=scenario.id) for scenario in scenarios],
+        max_concurrency=32, max_exceptions=0.1, after_each=score_group)
+
+A failed rollout is kept: its traceback goes into its group's `exceptions`. Past the budget
+(`max_exceptions`: a count, or a fraction of all rollouts) the remaining rollouts are
+cancelled and `TooManyRolloutErrors` says which failed and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import statistics
+import traceback
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from art_integrations.trajectory import Trajectory, TrajectoryGroup
+
+logger = logging.getLogger(__name__)
+
+AfterEach = Callable[[TrajectoryGroup], "Awaitable[TrajectoryGroup | None] | TrajectoryGroup | None"]
+
+
+class TooManyRolloutErrors(RuntimeError):
+    pass
+
+
+@dataclass
+class RolloutGroup:
+    """`n` rollouts of one scenario, not started yet."""
+
+    rollout: Callable[[], Awaitable[Trajectory]]
+    n: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def trajectory_group(rollout: Callable[[], Awaitable[Trajectory]], n: int, **metadata: Any) -> RolloutGroup:
+    """Describe a group: `rollout()` is called `n` times (each call one independent rollout)."""
+    if n < 1:
+        raise ValueError(f"a group needs at least one rollout, got n={n}")
+    return RolloutGroup(rollout, n, metadata)
+
+
+def completion_tokens(trajectory: Trajectory) -> int:
+    return sum(len(c.token_ids or []) for h in trajectory.histories() for c in h.choices())
+
+
+async def gather_trajectories(rollout: Callable[[], Awaitable[Trajectory]], n: int,
+                              **metadata: Any) -> TrajectoryGroup:
+    """Run one group of `n` rollouts of the same scenario."""
+    return (await gather_trajectory_groups([trajectory_group(rollout, n, **metadata)], progress=False))[0]
+
+
+async def gather_trajectory_groups(
+    groups: Iterable[RolloutGroup],
+    *,
+    max_concurrency: int | None = None,
+    max_exceptions: int | float = 0,
+    after_each: AfterEach | None = None,
+    progress: bool = True,
+    desc: str = "gather",
+) -> list[TrajectoryGroup]:
+    """Run every rollout of every group (at most `max_concurrency` at once) and return the
+    groups in order. `after_each(group)` runs as each group completes (e.g. RULER scoring); it
+    may change the group, return a replacement, or return None to drop it (logged)."""
+    specs = list(groups)
+    total = sum(spec.n for spec in specs)
+    budget = max_exceptions if isinstance(max_exceptions, int) else int(max_exceptions * total)
+    limit = asyncio.Semaphore(max_concurrency or total or 1)
+    results = [TrajectoryGroup(metadata=dict(spec.metadata)) for spec in specs]
+    failures: list[str] = []
+    bar = tqdm(total=total, desc=desc, disable=not progress, unit="rollout")
+    rewards: list[float] = []
+    tokens = 0
+
+    async def run(index: int, spec: RolloutGroup) -> None:
+        nonlocal tokens
+        async with limit:
+            try:
+                trajectory = await spec.rollout()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                trace = "".join(traceback.format_exception(error))
+                results[index].exceptions.append(trace)
+                failures.append(trace)
+                if len(failures) > budget:
+                    raise TooManyRolloutErrors(
+                        f"{len(failures)} of {total} rollouts failed, over max_exceptions={max_exceptions}. "
+                        f"First failure:\n{failures[0]}") from error
+            else:
+                if not isinstance(trajectory, Trajectory):
+                    raise TypeError(f"a rollout returned {type(trajectory).__name__}, not a Trajectory")
+                results[index].trajectories.append(trajectory)
+                rewards.append(trajectory.reward)
+                tokens += completion_tokens(trajectory)
+            finally:
+                bar.update(1)
+                if rewards:
+                    bar.set_postfix(reward=f"{statistics.fmean(rewards):.3f}", tokens=tokens, errors=len(failures))
+
+    async def run_group(index: int, spec: RolloutGroup) -> None:
+        await asyncio.gather(*(run(index, spec) for _ in range(spec.n)))
+        if after_each is not None:
+            outcome = after_each(results[index])
+            if inspect.isawaitable(outcome):
+                outcome = await outcome
+            if outcome is None:
+                logger.warning("after_each dropped group %d (%s)", index, results[index].metadata)
+            results[index] = outcome  # type: ignore[assignment]
+
+    tasks = [asyncio.ensure_future(run_group(i, spec)) for i, spec in enumerate(specs)]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    finally:
+        bar.close()
+    kept = [group for group in results if group is not None]
+    if progress:
+        mean = f"{statistics.fmean(rewards):.3f}" if rewards else "n/a"
+        print(f"{desc}: {len(kept)} groups, {len(rewards)} trajectories, {len(failures)} failed rollouts, "
+              f"reward mean {mean}, {tokens} completion tokens")
+    return kept

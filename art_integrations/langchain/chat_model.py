@@ -1,0 +1,61 @@
+"""`ChatART`: the drop-in LangChain chat model for a policy served by an art-backend.
+
+It is langchain-openai's `ChatOpenAI` (so tools, structured output, streaming, retries,
+batching and every callback behave exactly as users know them) with two things added: each
+request asks the backend to keep the reply's exact tokens (`return_token_ids`), and an
+`ARTCallbackHandler` is attached so calls inside `art_capture()` are recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from langchain_core.callbacks import BaseCallbackManager
+from langchain_openai import ChatOpenAI
+
+from art_integrations.backend import Backend
+from art_integrations.langchain.callback import ARTCallbackHandler
+from art_integrations.model import TrainableModel
+
+
+class ChatART(ChatOpenAI):
+    """`ChatART.from_model(model)`, `ChatART.from_backend(backend, model="name")`, or
+    `ChatART(base_url=".../v1", model="name")`; any `ChatOpenAI` setting (temperature,
+    max_tokens, top_p, stop, seed, ...) works as usual and is sent as given."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs["extra_body"] = {**(kwargs.get("extra_body") or {}), "return_token_ids": True}
+        kwargs.setdefault("api_key", "unused")  # a local backend needs no key
+        super().__init__(**kwargs)
+        api_key = self.openai_api_key.get_secret_value() if self.openai_api_key else None
+        handler = ARTCallbackHandler(base_url=self.openai_api_base, api_key=None if api_key == "unused" else api_key)
+        if isinstance(self.callbacks, BaseCallbackManager):
+            self.callbacks.add_handler(handler, inherit=False)
+        else:
+            self.callbacks = [*(self.callbacks or []), handler]
+
+    @classmethod
+    def from_backend(cls, backend: Backend, model: str, **kwargs: Any) -> ChatART:
+        return cls(model=model, base_url=f"{backend.base_url}/v1", api_key=backend.api_key or "unused", **kwargs)
+
+    @classmethod
+    def from_model(cls, model: TrainableModel, step: int | None = None, **kwargs: Any) -> ChatART:
+        """The newest policy of a registered `TrainableModel` (or its checkpoint `step`)."""
+        return cls.from_backend(model.backend, model.get_inference_name(step), **kwargs)
+
+    @property
+    def _llm_type(self) -> str:
+        return "art-chat"
+
+    def with_structured_output(  # type: ignore[override]
+        self,
+        schema: Any = None,
+        *,
+        method: Literal["function_calling", "json_mode", "json_schema"] = "function_calling",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """As ChatOpenAI's, defaulting to function calling: the backend forces the tool call,
+        so even a small model answers in the schema's shape."""
+        return super().with_structured_output(schema, method=method, include_raw=include_raw, strict=strict, **kwargs)
