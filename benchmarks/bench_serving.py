@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -205,7 +206,8 @@ def main() -> None:
     args = parser.parse_args()
     levels = [int(n) for n in args.concurrency.split(",")]
     model_dir = resolve_model_dir(args.model, BackendSettings().cache_dir)
-    print(f"Model {model_dir}; concurrency {levels}; {args.new_tokens} new tokens; {args.repeats} repeat(s)")
+    print(f"Model {model_dir}; concurrency {levels}; {args.new_tokens} new tokens; {args.repeats} repeat(s); "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (other load skews these timings)")
     started = time.perf_counter()
     backend = bench_backend(args.model, levels, args.new_tokens, args.repeats)
     per_request, padded = bench_baselines(model_dir, levels, args.new_tokens, args.repeats)
@@ -215,7 +217,7 @@ def main() -> None:
     checks = check_targets(top)
     verdict = "all targets met" if all(checks.values()) else "some targets missed"
     print(f"Summary: {verdict}; backend {top['backend_tok_s']:.1f} tok/s at {top['concurrency']:.0f} concurrent; "
-          f"took {time.perf_counter() - started:.0f} s.")
+          f"took {time.perf_counter() - started:.0f} s; load average now {os.getloadavg()[0]:.2f}.")
     if args.json is not None:
         args.json.write_text(json.dumps({"model": str(model_dir), "new_tokens": args.new_tokens,
                                          "repeats": args.repeats, "rows": rows, "targets": checks}, indent=2))

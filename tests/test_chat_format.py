@@ -106,13 +106,16 @@ def test_render_ids_decode_to_render_text(fmt, tokenizer):
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>") != ids[1]
 
 
-def test_forced_prefix(fmt):
-    assert fmt.forced_prefix(None) == fmt.forced_prefix("auto") == fmt.forced_prefix("none") == ""
-    assert fmt.forced_prefix("required") == "<tool_call>\n"
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    assert fmt.forced_prefix(named) == '<tool_call>\n{"name": "get_weather", "arguments": '
+def test_required_tools(fmt):
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    tools = [WEATHER_TOOL, other]
+    assert fmt.required_tools(tools, None) is fmt.required_tools(tools, "auto") is fmt.required_tools(tools, "none") is None
+    assert fmt.required_tools(tools, "required") == tools
+    assert fmt.required_tools(tools, {"type": "function", "function": {"name": "get_time"}}) == [other]
     with pytest.raises(ChatFormatError, match="tool_choice"):
-        fmt.forced_prefix("sometimes")
+        fmt.required_tools(tools, "sometimes")
+    with pytest.raises(ChatFormatError, match="non-empty"):
+        fmt.required_tools(None, "required")
 
 
 def test_render_rejects_bad_input(fmt):
@@ -225,8 +228,7 @@ def test_new_tool_call_id():
 
 def test_parsed_turn_rerenders_as_generated(fmt):
     prompt = [{"role": "user", "content": "Weather in Paris?"}]
-    forced = fmt.forced_prefix({"type": "function", "function": {"name": "get_weather"}})
-    completion = forced + '{"city": "Paris"}}\n</tool_call>'
+    completion = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     parsed = fmt.parse(completion)
     calls = [
         {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

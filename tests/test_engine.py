@@ -79,15 +79,21 @@ async def test_stop_string_truncates_text(embedded_engine: TorchEngine) -> None:
     assert stopped["text"] == plain["text"].split(",")[0]
 
 
-async def test_forced_tokens_are_part_of_the_completion(embedded_engine: TorchEngine) -> None:
-    prompt = _prompt(embedded_engine, "Hi")
-    forced = embedded_engine.tokenizer.encode("<tool_call>\n", add_special_tokens=False)
-    out = (await _run(embedded_engine, GenerationRequest(
-        prompt, SamplingParams(max_tokens=4, temperature=0), forced_ids=forced)))[0]
-    assert out["ids"][: len(forced)] == forced
-    assert out["text"].startswith("<tool_call>\n")
-    assert len(out["logprobs"]) == len(out["ids"]) == len(forced) + 4
-    assert all(lp <= 0 for lp in out["logprobs"])
+async def test_grammar_constrains_output_but_logprobs_stay_the_models(embedded_engine: TorchEngine) -> None:
+    from art_backend.grammar import json_grammar
+
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    grammar = json_grammar({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    prompt = _prompt(embedded_engine, "What is 2 + 2?")
+    outs = await _run(embedded_engine, GenerationRequest(
+        prompt, SamplingParams(max_tokens=30, temperature=1.0, seed=0, grammar=grammar), n=4))
+    for out in outs.values():
+        assert out["finish"] == "stop"
+        assert isinstance(json.loads(out["text"])["answer"], int)
+        assert len(out["logprobs"]) == len(out["ids"]) and all(lp <= 0 for lp in out["logprobs"])
+        # the policy's own logprobs: the grammar forces "{" although the model would rather talk
+        assert out["logprobs"][0] < -1
 
 
 async def test_concurrent_requests_share_decode_steps(embedded_engine: TorchEngine) -> None:

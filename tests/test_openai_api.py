@@ -157,15 +157,45 @@ def openai_message_to_langchain(message: dict):  # noqa: ANN201 - a LangChain me
     return AIMessage(message["content"] or "", tool_calls=calls)
 
 
-def test_unparseable_tool_markup_is_flagged_not_an_error(tiny_server: ServerThread) -> None:
-    client = openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused")
+def test_unparseable_tool_markup_is_flagged_not_an_error(client: openai.OpenAI) -> None:
+    # a required call cut off by max_tokens leaves markup that cannot parse
     response = client.chat.completions.create(
-        model="tiny-random-smollm2", messages=[{"role": "user", "content": "Weather in Paris?"}],
-        tools=[WEATHER_TOOL], tool_choice="required", max_tokens=8, temperature=0)
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[WEATHER_TOOL], tool_choice="required", max_tokens=6, temperature=0)
     choice = response.choices[0]
-    assert choice.message.tool_calls is None
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
     assert choice.message.content.startswith("<tool_call>\n")
     assert "did not parse" in choice.model_extra["tool_call_parse_error"]
+
+
+def test_required_tool_call_is_always_well_formed(client: openai.OpenAI) -> None:
+    other = {"type": "function", "function": {"name": "get_time", "description": "Local time in a city",
+                                              "parameters": WEATHER_TOOL["function"]["parameters"]}}
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What time is it in Oslo?"}], n=4, seed=5,
+        tools=[WEATHER_TOOL, other], tool_choice="required", parallel_tool_calls=False, max_tokens=60,
+        temperature=1.0)
+    for choice in response.choices:
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        (call,) = choice.message.tool_calls
+        assert call.function.name in ("get_weather", "get_time")
+        assert isinstance(json.loads(call.function.arguments)["city"], str)
+
+
+def test_response_format_json_schema_is_enforced(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "is_capital": {"type": "boolean"}},
+              "required": ["city", "is_capital"], "additionalProperties": False}
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe Paris."}], max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    assert response.choices[0].finish_reason == "stop"
+    data = json.loads(response.choices[0].message.content)
+    assert set(data) == {"city", "is_capital"} and isinstance(data["is_capital"], bool)
+    obj = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": 'Give a JSON object with the key "name" set to "Bob".'}],
+        max_tokens=40, temperature=0, response_format={"type": "json_object"})
+    assert json.loads(obj.choices[0].message.content) == {"name": "Bob"}
 
 
 def test_unknown_model_is_a_404(client: openai.OpenAI) -> None:

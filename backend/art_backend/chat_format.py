@@ -133,12 +133,7 @@ class ChatFormatter:
         tools: list[dict] | None = None,
         tool_choice: str | dict | None = None,
     ) -> str:
-        names = [_function_name(tool) for tool in tools or []]
-        if self.forced_prefix(tool_choice) and not names:
-            raise ChatFormatError(f"tool_choice {tool_choice!r} needs a non-empty `tools` list")
-        if isinstance(tool_choice, dict) and tool_choice["function"]["name"] not in names:
-            name = tool_choice["function"]["name"]
-            raise ChatFormatError(f"tool_choice names {name!r}, which is not in `tools`")
+        self.required_tools(tools, tool_choice)  # validates tool_choice against tools
         if self.supports_tools_natively:
             hf_messages = [self._native_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
             hf_tools = [tool.get("function", tool) for tool in tools] if tools else None
@@ -155,18 +150,25 @@ class ChatFormatter:
         # The template already wrote any BOS; letting the tokenizer add one would double it.
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
-    def forced_prefix(self, tool_choice: str | dict | None) -> str:
+    @staticmethod
+    def required_tools(tools: list[dict] | None, tool_choice: str | dict | None) -> list[dict] | None:
+        """The tools the reply must call: None for "auto"/"none", all for "required", the named one."""
         if tool_choice in (None, "auto", "none"):
-            return ""
-        if tool_choice == "required":
-            return TOOL_CALL_OPEN + "\n"
+            return None
         function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        if tool_choice != "required" and (not isinstance(function, dict) or not isinstance(function.get("name"), str)):
             raise ChatFormatError(
                 "tool_choice must be 'auto', 'none', 'required' or "
                 f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}"
             )
-        return f'{TOOL_CALL_OPEN}\n{{"name": {_dumps(function["name"])}, "arguments": '
+        if not tools:
+            raise ChatFormatError(f"tool_choice {tool_choice!r} needs a non-empty `tools` list")
+        if tool_choice == "required":
+            return tools
+        chosen = [tool for tool in tools if _function_name(tool) == function["name"]]
+        if not chosen:
+            raise ChatFormatError(f"tool_choice names {function['name']!r}, which is not in `tools`")
+        return chosen
 
     def parse(self, text: str) -> ParsedOutput:
         outside: list[str] = []

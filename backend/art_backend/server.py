@@ -32,6 +32,7 @@ from art_backend.engine.base import (
     SequenceDelta,
     TokenLogprob,
 )
+from art_backend.grammar import GrammarError, json_grammar, tool_call_grammar
 from art_backend.training.routes import training_router
 from art_backend.training.service import TrainingRequestError, TrainingService, UnknownModelError
 from art_backend.protocol import ChatCompletionRequest, TokenRecordsRequest, completion_id, error_body, now
@@ -95,18 +96,12 @@ class ChatService:
             raise ModelNotServedError(
                 f"The model `{body.model}` does not exist. Served models: {', '.join(self.engine.served_models())}."
             )
-        if body.response_format is not None and body.response_format.type != "text":
-            raise UnsupportedFeatureError(
-                f"response_format {body.response_format.type!r} is not supported by this engine; "
-                "ask for structured output through `tools` with `tool_choice` instead."
-            )
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         tool_choice = body.tool_choice_value()
         prompt_ids = self.formatter.render_ids(messages, tools, tool_choice)
-        forced = self.formatter.forced_prefix(tool_choice) if tools else ""
-        forced_ids = list(self.engine.tokenizer.encode(forced, add_special_tokens=False)) if forced else []
-        used = len(prompt_ids) + len(forced_ids)
+        grammar = self._grammar(body, tools, tool_choice)
+        used = len(prompt_ids)
         room = self.engine.max_model_len - used
         limit = body.completion_limit
         if room <= 0 or (limit is not None and limit > room):
@@ -124,10 +119,23 @@ class ChatService:
             stop=body.stop_strings,
             top_logprobs=body.top_logprobs or 0,
             ignore_eos=body.ignore_eos,
+            grammar=grammar,
         )
         served = None if body.model == self.engine.base_model_name else body.model
-        generation = GenerationRequest(prompt_ids, params, body.n, forced_ids, served)
+        generation = GenerationRequest(prompt_ids, params, body.n, served)
         return _Prepared(body, generation, parse_tools=bool(tools) and body.tool_choice != "none")
+
+    def _grammar(self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
+                 tool_choice: str | dict[str, Any] | None) -> str | None:
+        """A required or named tool call, or `response_format` JSON, is enforced by a grammar."""
+        required = self.formatter.required_tools(tools, tool_choice)
+        if required is not None:
+            if body.response_format is not None and body.response_format.type != "text":
+                raise UnsupportedFeatureError("Ask for either a required tool call or response_format JSON, not both.")
+            return tool_call_grammar(required, parallel=body.parallel_tool_calls is not False and len(required) > 1)
+        if body.response_format is not None:
+            return json_grammar(body.response_format.model_dump(by_alias=True))
+        return None
 
     # ----- response pieces --------------------------------------------------------------
 
@@ -313,6 +321,7 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
         return JSONResponse(error_body(str(error), "NotFoundError", "name", 404), status_code=404)
 
     @app.exception_handler(ChatFormatError)
+    @app.exception_handler(GrammarError)
     @app.exception_handler(TrainingRequestError)
     @app.exception_handler(UnsupportedFeatureError)
     async def on_bad_request(_: Request, error: Exception) -> JSONResponse:

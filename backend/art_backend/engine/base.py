@@ -25,18 +25,16 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     top_logprobs: int = 0  # alternatives returned per token besides the sampled one
     ignore_eos: bool = False  # keep going past end-of-turn tokens (benchmarks)
+    grammar: str | None = None  # an llguidance grammar the output must follow (see art_backend.grammar)
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """`n` samples continuing `prompt_ids`. `forced_ids` are tokens every sample must start
-    with (e.g. a tool-call opening); they count as completion tokens, with the model's own
-    logprobs, so a trainer sees exactly what the policy was made to emit."""
+    """`n` samples continuing `prompt_ids`."""
 
     prompt_ids: list[int]
     params: SamplingParams
     n: int = 1
-    forced_ids: list[int] = field(default_factory=list)
     model: str | None = None  # a served adapter name; None = the base model
 
 

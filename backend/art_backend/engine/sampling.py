@@ -1,8 +1,9 @@
 """Choosing the next token of every row in a decode batch, with the policy's own logprobs.
 
 The logprob reported for a token is log softmax(logits / temperature) at that token: the
-distribution the token was drawn from (before top-p truncation), which is what an importance
-ratio against the trained policy needs. Temperature 0 means greedy, with temperature-1 logprobs.
+model's distribution at the sampling temperature, before top-p truncation and before any
+grammar mask, which is what the trainer recomputes for the importance ratio. Temperature 0
+means greedy, with temperature-1 logprobs.
 """
 
 from __future__ import annotations
@@ -36,17 +37,20 @@ def _keep_top_p(probs: Tensor, top_p: Tensor) -> Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
-def sample(logits: Tensor, rows: list[RowSampling]) -> Sampled:
-    """`logits` [B, vocab] (float32) -> one token per row."""
+def sample(logits: Tensor, rows: list[RowSampling], allowed_logits: Tensor | None = None) -> Sampled:
+    """`logits` [B, vocab] (float32) -> one token per row. `allowed_logits`: the same logits with
+    tokens a grammar forbids set to -inf; tokens are then drawn from those."""
     device = logits.device
     temperature = torch.tensor([r.temperature for r in rows], device=device)
     greedy = temperature == 0
-    logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
-    tokens = logprobs.argmax(dim=-1)
+    scale = torch.where(greedy, 1.0, temperature)[:, None]
+    logprobs = torch.log_softmax(logits / scale, dim=-1)
+    drawn_from = logprobs if allowed_logits is None else torch.log_softmax(allowed_logits / scale, dim=-1)
+    tokens = drawn_from.argmax(dim=-1)
 
     sampled_rows = [i for i, r in enumerate(rows) if r.temperature > 0]
     if sampled_rows:
-        probs = logprobs[sampled_rows].exp()
+        probs = drawn_from[sampled_rows].exp()
         top_p = torch.tensor([rows[i].top_p for i in sampled_rows], device=device)
         if bool((top_p < 1.0).any()):
             probs = _keep_top_p(probs, top_p)
@@ -69,11 +73,3 @@ def sample(logits: Tensor, rows: list[RowSampling]) -> Sampled:
         for i, r in enumerate(rows):
             top[i] = list(zip(ids[i][: r.top_logprobs], values[i][: r.top_logprobs]))
     return Sampled(tokens.tolist(), chosen.tolist(), top)
-
-
-def forced_logprobs(logits: Tensor, token_ids: list[int], temperature: float) -> list[float]:
-    """Logprobs the policy gives to tokens it was forced to emit (row t predicts token t)."""
-    scale = temperature if temperature > 0 else 1.0
-    logprobs = torch.log_softmax(logits / scale, dim=-1)
-    index = torch.tensor(token_ids, device=logits.device)[:, None]
-    return logprobs.gather(1, index)[:, 0].tolist()

@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import llguidance
+import llguidance.torch
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -31,7 +33,8 @@ from art_backend.engine.base import (
     TokenLogprob,
 )
 from art_backend.engine.llama import LORA_TARGETS, KVCache, LeanLlama, LoraWeights
-from art_backend.engine.sampling import RowSampling, forced_logprobs, sample
+from art_backend.engine.sampling import RowSampling, sample
+from art_backend.grammar import Constrainer
 from art_backend.training.tokenize import TrainSequence
 from art_backend.training.trainer import LoraTrainer
 from art_integrations.training import LoraConfig, TrainConfig
@@ -65,6 +68,7 @@ class _Sequence:
     ids: list[int]  # prompt + completion; the cache holds KV for all but the last
     completion: list[int]
     rows: RowSampling
+    matcher: llguidance.LLMatcher | None = None  # the grammar the output must follow
     pending: list[TokenLogprob] = field(default_factory=list)  # not yet sent
     text: str = ""
     sent_text: int = 0
@@ -101,6 +105,7 @@ class TorchEngine:
         self.base_model_name = served_model_name or Path(model_dir).name
         self.max_batch_size = max_batch_size
         self.stop_ids = self._stop_token_ids()
+        self.constrainer = Constrainer(self.tokenizer)
         self.peak_batch_size = 0  # most sequences decoded in one step so far
         logger.info("Loaded %s in %.1f s on %s", model_dir, time.perf_counter() - started, self.device)
 
@@ -168,7 +173,9 @@ class TorchEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[SequenceDelta]:
         adapter = self._resolve(request.model)
-        total = len(request.prompt_ids) + len(request.forced_ids)
+        total = len(request.prompt_ids)
+        if request.params.grammar is not None:
+            self.constrainer.check(request.params.grammar)
         if total + request.params.max_tokens > self.max_model_len:
             raise ContextLengthError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
@@ -275,33 +282,30 @@ class TorchEngine:
 
     def _prefill(self, request: _Request) -> None:
         spec = request.spec
-        tokens = spec.prompt_ids + spec.forced_ids
+        tokens = spec.prompt_ids
         slot = len(self._active)
         self._cache.reserve(slot + spec.n, len(tokens) + 1)
-        reused = self._reuse_prefix(tokens, request.adapter, slot, limit=len(spec.prompt_ids) - 1)
+        reused = self._reuse_prefix(tokens, request.adapter, slot)
         new = torch.tensor([tokens[reused:]], device=self.device)
         positions = torch.arange(reused, len(tokens), device=self.device)[None]
         hidden = self.lean.forward(new, positions, torch.tensor([slot], device=self.device), self._cache,
                                    torch.tensor([len(tokens)], device=self.device), self._lora([request.adapter]))
-        # rows predicting the forced tokens, then the first free token
-        first = len(spec.prompt_ids) - 1 - reused
-        logits = self.lean.logits(hidden[0, first:])
-        forced = [TokenLogprob(t, lp) for t, lp in zip(
-            spec.forced_ids, forced_logprobs(logits[:-1], spec.forced_ids, spec.params.temperature))]
+        logits = self.lean.logits(hidden[0, -1:])
+        params = spec.params
         for index in range(spec.n):
             if index:
                 self._cache.move(slot, slot + index, len(tokens))
-            seed = spec.params.seed
             generator = None
-            if seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(seed + index)
-            rows = RowSampling(spec.params.temperature, spec.params.top_p, spec.params.top_logprobs, generator)
-            seq = _Sequence(request, index, list(tokens), list(spec.forced_ids), rows, pending=list(forced))
-            self._active.append(seq)
-        self._accept(self._active[slot:], logits[-1:].expand(spec.n, -1))
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
+            rows = RowSampling(params.temperature, params.top_p, params.top_logprobs, generator)
+            matcher = self.constrainer.matcher(params.grammar) if params.grammar is not None else None
+            self._active.append(_Sequence(request, index, list(tokens), [], rows, matcher))
+        self._accept(self._active[slot:], logits.expand(spec.n, -1))
 
-    def _reuse_prefix(self, tokens: list[int], adapter: LoraWeights | None, slot: int, limit: int) -> int:
-        """Copy the longest cached KV prefix of `tokens` into `slot`; return its length."""
+    def _reuse_prefix(self, tokens: list[int], adapter: LoraWeights | None, slot: int) -> int:
+        """Copy the longest cached KV prefix of `tokens` into `slot`; return its length. The
+        last token is always recomputed: its logits choose the first new token."""
         best, source = 0, None
         for seq in self._active:
             if seq.request.adapter is adapter:
@@ -313,7 +317,7 @@ class TorchEngine:
                 n = _common_prefix(list(key), tokens)
                 if n > best:
                     best, source = n, key
-        best = min(best, limit)
+        best = min(best, len(tokens) - 1)
         if best <= 0:
             return 0
         if isinstance(source, _Sequence):
@@ -342,9 +346,11 @@ class TorchEngine:
 
     def _accept(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
         """Sample one token for each of `seqs`, update their text, send deltas, retire the finished."""
-        sampled = sample(logits, [s.rows for s in seqs])
+        sampled = sample(logits, [s.rows for s in seqs], self._allowed_logits(seqs, logits))
         by_request: dict[int, list[SequenceDelta]] = {}
         for seq, token, logprob, top in zip(seqs, sampled.token_ids, sampled.logprobs, sampled.top):
+            if seq.matcher is not None and not seq.matcher.is_stopped() and not seq.matcher.consume_token(token):
+                raise RuntimeError(f"grammar rejected token {token}: {seq.matcher.get_error()}")
             seq.ids.append(token)
             seq.completion.append(token)
             seq.pending.append(TokenLogprob(token, logprob, top))
@@ -361,6 +367,26 @@ class TorchEngine:
             if deltas:
                 self._send(seq.request, deltas)
         self._retire()
+
+    def _allowed_logits(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor | None:
+        """`logits` with what each row's grammar forbids at -inf; None when no row has one."""
+        constrained = [(row, s.matcher) for row, s in enumerate(seqs) if s.matcher is not None]
+        if not constrained:
+            return None
+        bitmask = llguidance.torch.allocate_token_bitmask(len(seqs), self.constrainer.tokenizer.vocab_size)
+        allowed = logits.clone()
+        for row, matcher in constrained:
+            if matcher.is_stopped():  # the structure is complete: end the turn
+                allowed[row] = float("-inf")
+                allowed[row, self.tokenizer.eos_token_id] = logits[row, self.tokenizer.eos_token_id]
+            else:
+                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
+        rows = [row for row, matcher in constrained if not matcher.is_stopped()]
+        if rows:
+            masked = allowed[rows].cpu()
+            llguidance.torch.apply_token_bitmask_inplace(masked, bitmask[rows])
+            allowed[rows] = masked.to(allowed.device)
+        return allowed
 
     def _update_text(self, seq: _Sequence, token: int) -> None:
         params = seq.request.spec.params
@@ -380,8 +406,7 @@ class TorchEngine:
                     if at >= 0:
                         seq.text, seq.finish_reason = seq.text[:at], "stop"
                         return
-            generated = len(seq.completion) - len(seq.request.spec.forced_ids)
-            if generated >= params.max_tokens or len(seq.ids) >= self.max_model_len:
+            if len(seq.completion) >= params.max_tokens or len(seq.ids) >= self.max_model_len:
                 seq.finish_reason = "length"
         if seq.finish_reason:  # flush a character the window still held back
             seq.text = self.tokenizer.decode(seq.completion, skip_special_tokens=True)

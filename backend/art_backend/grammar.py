@@ -1,0 +1,80 @@
+"""Grammars for constrained decoding: tool calls the reply must make, and JSON output.
+
+The embedded engine enforces them with llguidance (chosen over xgrammar by
+`benchmarks/bench_grammar.py`: both compute a token mask in well under a millisecond, but
+llguidance compiles a new schema ~8x faster, and every request brings its own schema).
+Grammars are llguidance's JSON/lark specs, so a request is checked once here, before it
+reaches an engine.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+import llguidance.hf
+
+from art_backend.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+
+class GrammarError(ValueError):
+    pass
+
+
+def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    function = tool.get("function", tool)
+    parameters = dict(function.get("parameters") or {"type": "object", "properties": {}})
+    # Arguments the tool does not declare cannot be passed to it; without this a small model
+    # keeps inventing keys until it runs out of tokens (as OpenAI's strict mode, unless the
+    # schema says otherwise).
+    parameters.setdefault("additionalProperties", False)
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)  # a lark string literal is a JSON string literal
+
+
+def tool_call_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
+    """Exactly the tool-call markup around a JSON call of one of `tools` (several if `parallel`)."""
+    schemas = [_call_schema(tool) for tool in tools]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    repeat = f' ("\\n" call)*' if parallel else ""
+    lark = (f"start: call{repeat}\n"
+            f"call: {_lark_string(TOOL_CALL_OPEN + chr(10))} body {_lark_string(chr(10) + TOOL_CALL_CLOSE)}\n"
+            f"body: %json {json.dumps(schema)}\n")
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def json_grammar(response_format: dict[str, Any]) -> str | None:
+    """OpenAI `response_format` -> grammar; None for plain text."""
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+    if kind == "json_schema":
+        spec = response_format.get("json_schema") or {}
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            raise GrammarError("response_format.json_schema.schema must be a JSON schema object")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema)
+    return None
+
+
+class Constrainer:
+    """Makes per-sequence matchers for one tokenizer."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer)
+
+    def check(self, grammar: str) -> None:
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise GrammarError(f"The requested structure cannot be enforced: {error}")
+
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar)
+        if matcher.is_error():
+            raise GrammarError(f"The requested structure cannot be enforced: {matcher.get_error()}")
+        return matcher
