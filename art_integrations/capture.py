@@ -8,8 +8,8 @@ one request and the calls become the trajectory's conversations:
 
 - calls are grouped by agent (LangGraph's checkpoint namespace: the root graph is the main
   agent, each subgraph a sub-agent);
-- within an agent, a call continues a conversation when its prompt token ids extend that
-  conversation's last prompt + completion exactly, else it starts a branch;
+- within an agent, a call continues a conversation when its messages extend that
+  conversation's last call and reply, else it starts a branch;
 - the main agent's first conversation is the trajectory's own; every other one becomes an
   additional history.
 """
@@ -150,12 +150,21 @@ async def afetch_tokens(scope: CaptureScope) -> None:
 
 
 def _continues(call: ModelCall, last: ModelCall) -> bool:
-    if call.choice is not None and last.choice is not None:
-        prefix = (last.choice.prompt_token_ids or []) + (last.choice.token_ids or [])
-        return (call.choice.prompt_token_ids or [])[: len(prefix)] == prefix
-    # without tokens, fall back to the messages: the earlier conversation plus its reply
+    """Whether `call` carries on `last`'s conversation: its messages are `last`'s messages, then
+    `last`'s reply, then more. (Token-level joining is the trainer's: a re-tokenized turn that
+    no longer matches exactly starts a new training sequence within the same history.)"""
     seen = len(last.messages)
-    return call.messages[:seen] == last.messages and len(call.messages) > seen
+    return (len(call.messages) > seen and call.messages[:seen] == last.messages
+            and _same_reply(call.messages[seen], last.response))
+
+
+def _same_reply(message: dict[str, Any], reply: dict[str, Any]) -> bool:
+    def calls(m: dict[str, Any]) -> list[tuple[Any, Any]]:
+        return [(c.get("function", {}).get("name"), c.get("function", {}).get("arguments"))
+                for c in m.get("tool_calls") or []]
+
+    return message.get("role") == "assistant" and (message.get("content") or "") == (reply.get("content") or "") \
+        and calls(message) == calls(reply)
 
 
 def _conversations(calls: list[ModelCall]) -> list[list[ModelCall]]:

@@ -41,6 +41,9 @@ def tool_call_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
     """Exactly the tool-call markup around a JSON call of one of `tools` (several if `parallel`)."""
     schemas = [_call_schema(tool) for tool in tools]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    # json.dumps's layout, the one chat_format renders tool calls with: a call the model made
+    # then re-renders to the same text, so the next turn's prompt extends this turn's tokens.
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
     repeat = f' ("\\n" call)*' if parallel else ""
     lark = (f"start: call{repeat}\n"
             f"call: {_lark_string(TOOL_CALL_OPEN + chr(10))} body {_lark_string(chr(10) + TOOL_CALL_CLOSE)}\n"

@@ -373,20 +373,20 @@ class TorchEngine:
         constrained = [(row, s.matcher) for row, s in enumerate(seqs) if s.matcher is not None]
         if not constrained:
             return None
+        vocab = logits.shape[-1]
         bitmask = llguidance.torch.allocate_token_bitmask(len(seqs), self.constrainer.tokenizer.vocab_size)
-        allowed = logits.clone()
         for row, matcher in constrained:
-            if matcher.is_stopped():  # the structure is complete: end the turn
-                allowed[row] = float("-inf")
-                allowed[row, self.tokenizer.eos_token_id] = logits[row, self.tokenizer.eos_token_id]
+            if matcher.is_stopped():  # the structure is complete: only the end of the turn is left
+                bitmask[row] = 0
+                bitmask[row, self.tokenizer.eos_token_id // 32] = 1 << (self.tokenizer.eos_token_id % 32)
             else:
                 llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
-        rows = [row for row, matcher in constrained if not matcher.is_stopped()]
-        if rows:
-            masked = allowed[rows].cpu()
-            llguidance.torch.apply_token_bitmask_inplace(masked, bitmask[rows])
-            allowed[rows] = masked.to(allowed.device)
-        return allowed
+        # unpack 32 tokens per int32 word (unconstrained rows stay all ones)
+        bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.reshape(len(seqs), -1)[:, :vocab].bool().to(logits.device)
+        if allowed.shape[-1] < vocab:  # padded model vocabularies: the extra ids are never valid
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[-1]))
+        return logits.masked_fill(~allowed, float("-inf"))
 
     def _update_text(self, seq: _Sequence, token: int) -> None:
         params = seq.request.spec.params
