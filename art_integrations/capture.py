@@ -45,7 +45,7 @@ class ModelCall:
     metadata: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     api_key: str | None = None
-    choice: Choice | None = None
+    choice: Choice | None = None  # set directly when the integration saw the tokens itself
 
 
 class CaptureScope:
@@ -90,7 +90,7 @@ def record_call(call: ModelCall, scope: CaptureScope | None = None) -> bool:
 def _requests(calls: list[ModelCall]) -> dict[tuple[str, str | None], list[ModelCall]]:
     by_endpoint: dict[tuple[str, str | None], list[ModelCall]] = {}
     for call in calls:
-        if call.record_id is not None:
+        if call.choice is None and call.record_id is not None:
             by_endpoint.setdefault((call.endpoint.rstrip("/"), call.api_key), []).append(call)
     return by_endpoint
 
@@ -110,7 +110,7 @@ def _apply_records(scope: CaptureScope, calls: list[ModelCall], records: dict[st
 
 def _missing_ids(scope: CaptureScope) -> None:
     for call in scope.calls:
-        if call.record_id is None:
+        if call.choice is None and call.record_id is None:
             scope.error(f"a call to {call.endpoint} returned no token record: point the chat model at an "
                         "art-backend and send extra_body={'return_token_ids': True}")
 
