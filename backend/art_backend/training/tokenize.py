@@ -73,7 +73,7 @@ def _history_sequences(history: History, where: str, stats: TokenizeStats) -> li
         logprobs = logprobs + [math.nan] * len(new_prompt) + completion_logprobs
     if ids:
         sequences.append((ids, mask, logprobs))
-    return sequences
+    return [s for s in sequences if any(s[1])]  # an empty completion leaves nothing to train
 
 
 def tokenize_trajectory(trajectory: Trajectory, advantage: float, where: str, stats: TokenizeStats,

@@ -121,18 +121,23 @@ class LoraTrainer:
             weights[row, :n] = torch.tensor(seq.assistant_mask, dtype=torch.float) * (seq.weight / total_weight)
             advantages[row, :n] = seq.advantage
         ids, attention = ids.to(self.device), attention.to(self.device)
-        # position t's logits predict token t+1: align everything on the predicted token
-        targets = ids[:, 1:, None]
-        rollout, weights, advantages = (x[:, 1:].to(self.device) for x in (rollout, weights, advantages))
+        # Only positions that predict a trained token need logits: skip the vocabulary projection
+        # (a fifth of a small model's compute) over the prompt. Logits at position t predict
+        # token t+1, so predicting tokens first..L-1 takes the logits at first-1..L-2.
+        first = min(seq.assistant_mask.index(True) for seq in batch)
+        targets = ids[:, first:, None]
+        rollout, weights, advantages = (x[:, first:].to(self.device) for x in (rollout, weights, advantages))
 
-        logits = self.peft(input_ids=ids, attention_mask=attention).logits[:, :-1].float() / config.temperature
-        logp_all = torch.log_softmax(logits, dim=-1)
-        logp_new = logp_all.gather(-1, targets)[..., 0]
+        def target_logprobs() -> tuple[torch.Tensor, torch.Tensor]:
+            logits = self.peft(input_ids=ids, attention_mask=attention, logits_to_keep=length - first + 1).logits
+            logp_all = torch.log_softmax(logits[:, :-1].float() / config.temperature, dim=-1)
+            return logp_all, logp_all.gather(-1, targets)[..., 0]
+
+        logp_all, logp_new = target_logprobs()
         logp_ref = None
         if losses.beta:
             with torch.no_grad(), self.peft.disable_adapter():
-                ref_logits = self.peft(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-                logp_ref = torch.log_softmax(ref_logits / config.temperature, dim=-1).gather(-1, targets)[..., 0]
+                logp_ref = target_logprobs()[1]
         terms = policy_loss(logp_new, rollout, advantages, weights, losses, logp_ref)
         terms.loss.backward()
         with torch.no_grad():
