@@ -1,0 +1,223 @@
+"""Per-call overhead of trajectory capture against a plain `ChatOpenAI` call to the same server.
+
+A real `python -m art_backend serve --model tiny-random-smollm2` subprocess (its own process, so
+it never shares the GIL with the client being timed) answers every variant; each call is a
+sequential `llm.invoke(PROMPT)` with max_tokens=4, temperature=0:
+  A  plain ChatOpenAI (baseline, no capture)
+  B  plain ChatOpenAI + extra_body={"return_token_ids": True} (server-side token recording)
+  C  ChatART, one `with art_capture():` per call (incl. the exit-time POST /v1/art/token_records)
+  D  ChatART, 10 calls per capture (token fetch batched per capture)
+  E  ChatOpenAI + return_token_ids + config={"callbacks": [ARTCallbackHandler()]}, capture per call
+After a warm-up, each round runs every variant (order rotated per round); a round's value is
+the median per-call time (D: per-capture time / 10); reported is the median over rounds, and
+PASS when the overhead vs A < max(1 ms, 2% of A). Also timed without HTTP (us): the handler's
+on_chat_model_start + on_llm_end on a fake reply, and a capture's enter + close + `assemble()`
+(all but the token fetch). openpipe-art (art.langgraph) is not installed here: see ART_REASON.
+
+Run from the repository root:
+    ART_BACKEND_CACHE_DIR=/tmp/artcache PYTHONPATH=backend:. python benchmarks/bench_capture.py \
+        [--calls 50] [--rounds 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from uuid import uuid4
+
+import httpx
+from langchain_core.messages import AIMessage, HumanMessage
+from langchain_core.outputs import ChatGeneration, LLMResult
+from langchain_openai import ChatOpenAI
+
+from art_integrations.capture import art_capture, assemble
+from art_integrations.langchain.callback import ARTCallbackHandler
+from art_integrations.langchain.chat_model import ChatART
+
+MODEL = "tiny-random-smollm2"
+PROMPT = "Say hello."
+WARMUP = 5
+PER_SCOPE_D = 10
+MICRO_ITERATIONS = 2000
+ART_REASON = ("pip install --dry-run openpipe-art adds ~50 packages (litellm, weave, polars, "
+              "opentelemetry, sentry-sdk, cryptography, ...) to the shared venv: judged too heavy")
+Variant = Callable[[int], list[float]]  # runs n calls, returns per-call seconds
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def backend_server() -> Iterator[str]:
+    """A `python -m art_backend serve` subprocess on a free loopback port; yields its /v1 URL."""
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    log = tempfile.NamedTemporaryFile(prefix="bench-capture-", suffix=".log", delete=False)
+    command = [sys.executable, "-m", "art_backend", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--model", MODEL]
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not become healthy; see {log.name}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def checked_capture(fn: Callable[[], object], calls: int) -> None:
+    """Run `fn` in a capture and check that every call was recorded with exact tokens."""
+    with art_capture() as trajectory:
+        fn()
+    if trajectory.metrics.get("model_calls") != calls or trajectory.metrics.get("capture_errors"):
+        raise RuntimeError(f"capture did not record {calls} call(s): {trajectory.metrics} {trajectory.logs}")
+
+
+def build_variants(base_url: str) -> dict[str, Variant]:
+    common = {"model": MODEL, "base_url": base_url, "api_key": "unused", "max_tokens": 4, "temperature": 0}
+    plain, tokens = ChatOpenAI(**common), ChatOpenAI(**common, extra_body={"return_token_ids": True})
+    art, handler = ChatART(**common), ARTCallbackHandler()
+    config = {"callbacks": [handler]}
+
+    def per_call(fn: Callable[[], object]) -> Variant:
+        return lambda n: [timed(fn) for _ in range(n)]
+
+    def batched(n: int) -> list[float]:
+        scopes = max(1, n // PER_SCOPE_D)
+        return [timed(lambda: checked_capture(lambda: [art.invoke(PROMPT) for _ in range(PER_SCOPE_D)],
+                                              PER_SCOPE_D)) / PER_SCOPE_D for _ in range(scopes)]
+
+    return {
+        "A plain ChatOpenAI": per_call(lambda: plain.invoke(PROMPT)),
+        "B + return_token_ids": per_call(lambda: tokens.invoke(PROMPT)),
+        "C ChatART, capture/call": per_call(lambda: checked_capture(lambda: art.invoke(PROMPT), 1)),
+        f"D ChatART, {PER_SCOPE_D} calls/capture": batched,
+        "E handler, capture/call": per_call(
+            lambda: checked_capture(lambda: tokens.invoke(PROMPT, config=config), 1)),  # type: ignore[arg-type]
+    }
+
+
+def run_rounds(variants: dict[str, Variant], calls: int, rounds: int) -> dict[str, list[float]]:
+    """Per variant, the median per-call seconds of each round; order rotated every round."""
+    names = list(variants)
+    for name in names:
+        variants[name](WARMUP if not name.startswith("D") else PER_SCOPE_D)
+    results: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            results[name].append(statistics.median(variants[name](calls)))
+        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{n[0]} {results[n][-1] * 1e3:.2f} ms" for n in names),
+              flush=True)
+    return results
+
+
+def micro_us(base_url: str) -> dict[str, float]:
+    """Client-side cost without HTTP: handler callbacks, and capture enter/close/assemble."""
+    handler = ARTCallbackHandler(base_url=base_url)
+    serialized = {"kwargs": {"openai_api_base": base_url}}
+    params = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+    reply = LLMResult(generations=[[ChatGeneration(message=AIMessage(content="Hi there!", id="chatcmpl-abc-0"),
+                                                   generation_info={"finish_reason": "length"})]])
+    handler_s, capture_s = [], []
+    for _ in range(MICRO_ITERATIONS):
+        start = time.perf_counter()
+        capture = art_capture()
+        capture.__enter__()
+        entered = time.perf_counter()
+        run_id = uuid4()
+        handler.on_chat_model_start(serialized, [[HumanMessage(PROMPT)]], run_id=run_id, invocation_params=params,
+                                    metadata={"langgraph_node": "agent"})
+        handler.on_llm_end(reply, run_id=run_id)
+        recorded = time.perf_counter()
+        capture._close()  # __exit__ minus fetch_tokens (there is no server behind these ids)
+        assemble(capture.scope)
+        handler_s.append(recorded - entered)
+        capture_s.append(time.perf_counter() - recorded + entered - start)
+    return {"handler_us": statistics.median(handler_s) * 1e6,
+            "capture_no_fetch_us": statistics.median(capture_s) * 1e6}
+
+
+def summarize(results: dict[str, list[float]]) -> list[dict[str, object]]:
+    medians = {name: statistics.median(values) * 1e3 for name, values in results.items()}
+    base = next(iter(medians.values()))
+    limit = max(1.0, 0.02 * base)
+    rows: list[dict[str, object]] = []
+    for name, ms in medians.items():
+        over = ms - base
+        rows.append({"variant": name, "ms_per_call": ms, "overhead_ms": over, "overhead_pct": 100 * over / base,
+                     "limit_ms": limit, "pass": None if name.startswith("A") else over < limit})
+    return rows
+
+
+def print_report(rows: list[dict[str, object]], micro: dict[str, float], art: str, calls: int,
+                 rounds: int) -> None:
+    print(f"\n{'variant':<28} {'ms/call':>8} {'overhead ms':>12} {'overhead %':>11} {'target':>8}")
+    for row in rows:
+        verdict = "baseline" if row["pass"] is None else ("PASS" if row["pass"] else "FAIL")
+        print(f"{row['variant']:<28} {row['ms_per_call']:>8.2f} {row['overhead_ms']:>+12.2f} "
+              f"{row['overhead_pct']:>+10.1f}% {verdict:>8}")
+    print(f"Medians of {rounds} round(s) x {calls} calls; target: overhead < {rows[0]['limit_ms']:.2f} ms "
+          "(max of 1 ms and 2% of A).")
+    print(f"Without HTTP: handler start+end {micro['handler_us']:.1f} us/call; capture enter+close+assemble "
+          f"{micro['capture_no_fetch_us']:.1f} us/capture.")
+    print(art)
+    checked = [r for r in rows if r["pass"] is not None]
+    failed = [str(r["variant"]).split()[0] for r in checked if not r["pass"]]
+    print("Summary: " + ", ".join(f"{str(r['variant']).split()[0]} {r['overhead_ms']:+.2f} ms "
+                                  f"({r['overhead_pct']:+.1f}%)" for r in checked)
+          + (" -> all PASS" if not failed else f" -> FAIL: {', '.join(failed)}"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=50, help="calls per variant per round")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    args = parser.parse_args()
+    installed = importlib.util.find_spec("art") is not None
+    art = "ART: installed, not benchmarked" if installed else f"ART: not installed ({ART_REASON})"
+    with backend_server() as base_url:
+        print(f"Server {base_url} ({MODEL}); {args.rounds} rounds x {args.calls} calls", flush=True)
+        results = run_rounds(build_variants(base_url), args.calls, args.rounds)
+    micro = micro_us(base_url)
+    rows = summarize(results)
+    print_report(rows, micro, art, args.calls, args.rounds)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"calls": args.calls, "rounds": args.rounds, "rows": rows, "micro": micro, "art": art,
+                       "rounds_ms": {k: [v * 1e3 for v in vs] for k, vs in results.items()}}, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()
