@@ -92,10 +92,8 @@ class ChatService:
         return self.engine.tokenizer.decode([token_id])
 
     def prepare(self, body: ChatCompletionRequest) -> _Prepared:
-        if body.model not in self.engine.served_models():
-            raise ModelNotServedError(
-                f"The model `{body.model}` does not exist. Served models: {', '.join(self.engine.served_models())}."
-            )
+        if body.model not in self.engine.served_models():  # before streaming starts, so it can be a 404
+            raise ModelNotServedError.unknown(body.model, self.engine.served_models())
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         tool_choice = body.tool_choice_value()
@@ -105,12 +103,7 @@ class ChatService:
         room = self.engine.max_model_len - used
         limit = body.completion_limit
         if room <= 0 or (limit is not None and limit > room):
-            asked = used + (limit or 0)
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.engine.max_model_len} tokens. However, "
-                f"you requested {asked} tokens ({used} in the messages, {limit or 0} in the completion). "
-                "Shorten the messages or lower max_tokens."
-            )
+            raise ContextLengthError.over(self.engine.max_model_len, used, limit or 0)
         params = SamplingParams(
             max_tokens=limit or room,
             temperature=1.0 if body.temperature is None else body.temperature,

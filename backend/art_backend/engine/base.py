@@ -57,11 +57,19 @@ class SequenceDelta:
 
 
 class ModelNotServedError(LookupError):
-    pass
+    @classmethod
+    def unknown(cls, model: str, served: list[str]) -> ModelNotServedError:
+        return cls(f"The model `{model}` does not exist. Served models: {', '.join(served)}.")
 
 
 class ContextLengthError(ValueError):
-    pass
+    @classmethod
+    def over(cls, limit: int, prompt_tokens: int, completion_tokens: int) -> ContextLengthError:
+        return cls(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the messages, {completion_tokens} "
+            "in the completion). Shorten the messages or lower max_tokens."
+        )
 
 
 class Engine(Protocol):

@@ -177,11 +177,7 @@ class TorchEngine:
         if request.params.grammar is not None:
             self.constrainer.check(request.params.grammar)
         if total + request.params.max_tokens > self.max_model_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {total + request.params.max_tokens} tokens ({total} in the messages, "
-                f"{request.params.max_tokens} in the completion). Shorten the messages or lower max_tokens."
-            )
+            raise ContextLengthError.over(self.max_model_len, total, request.params.max_tokens)
         state = _Request(request, adapter, asyncio.get_running_loop(), asyncio.Queue())
         with self._wake:
             self._waiting.append(state)
@@ -203,9 +199,7 @@ class TorchEngine:
             return None
         if model in self._adapters:
             return self._adapters[model]
-        raise ModelNotServedError(
-            f"The model `{model}` does not exist. Served models: {', '.join(self.served_models())}."
-        )
+        raise ModelNotServedError.unknown(model, self.served_models())
 
     # ----- adapters ---------------------------------------------------------------------
 

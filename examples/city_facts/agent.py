@@ -1,0 +1,58 @@
+"""The agent, written as a LangGraph user writes one: tools, a model node, a tool node.
+
+The only ART-specific line is the chat model: `ChatART.from_model(model)` instead of
+`ChatOpenAI(...)`. The agent must look the fact up before answering, so its first turn
+requires a tool call (`tool_choice="required"`); afterwards it answers in words.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from langchain_core.messages import SystemMessage
+from langchain_core.tools import tool
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode, tools_condition
+
+from examples.city_facts.task import fact
+
+SYSTEM_PROMPT = "You answer questions about cities. Look the fact up with a tool, then answer in one sentence."
+
+
+@tool
+def get_weather(city: str) -> str:
+    """Current weather in a city."""
+    return fact("get_weather", city)
+
+
+@tool
+def get_local_time(city: str) -> str:
+    """Current local time in a city."""
+    return fact("get_local_time", city)
+
+
+@tool
+def get_population(city: str) -> str:
+    """Population of a city."""
+    return fact("get_population", city)
+
+
+TOOLS = [get_weather, get_local_time, get_population]
+
+
+def build_agent(llm: Any) -> Any:
+    must_call = llm.bind_tools(TOOLS, tool_choice="required", parallel_tool_calls=False)
+    answer = llm.bind_tools(TOOLS, tool_choice="none")
+
+    def call_model(state: MessagesState) -> dict[str, Any]:
+        looked_up = any(m.type == "tool" for m in state["messages"])
+        reply = (answer if looked_up else must_call).invoke([SystemMessage(SYSTEM_PROMPT), *state["messages"]])
+        return {"messages": [reply]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", call_model)
+    graph.add_node("tools", ToolNode(TOOLS))
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", tools_condition)
+    graph.add_edge("tools", "agent")
+    return graph.compile()
