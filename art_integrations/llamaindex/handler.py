@@ -37,7 +37,6 @@ from typing import Any
 
 from llama_index.core.agent.workflow import AgentWorkflow, BaseWorkflowAgent
 from llama_index.core.base.llms.base import BaseLLM
-from llama_index.core.bridge.pydantic import Field
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events import BaseEvent
@@ -114,20 +113,23 @@ class ARTSpanHandler(BaseSpanHandler[SimpleSpan]):
         _failed(id_, err)  # a non-streaming call that raised drops its span
         return self.open_spans.get(id_)
 
-    def lineage(self, span_id: str | None) -> list[_Facts]:
-        """The facts of `span_id` and its open ancestors, innermost first."""
-        chain: list[_Facts] = []
+    def lineage(self, span_id: str | None) -> list[tuple[str, _Facts]]:
+        """`span_id` and its open ancestors with their facts, innermost first."""
+        chain: list[tuple[str, _Facts]] = []
         with self.lock:
             while span_id is not None and (span := self.open_spans.get(span_id)) is not None:
-                if span.metadata:
-                    chain.append(span.metadata["art"])
+                chain.append((span_id, span.metadata["art"] if span.metadata else _NO_FACTS))
                 span_id = span.parent_id
         return chain
 
 
-def _agent_key(lineage: list[_Facts]) -> str:
-    agent = next((f.agent for f in lineage if f.agent), None)
-    main = next((f.main_agent for f in reversed(lineage) if f.main_agent), None)
+_NO_FACTS = _Facts()
+_spans = ARTSpanHandler()  # one for every handler: `instrument()` attaches it
+
+
+def _agent_key(lineage: list[tuple[str, _Facts]]) -> str:
+    agent = next((f.agent for _, f in lineage if f.agent), None)
+    main = next((f.main_agent for _, f in reversed(lineage) if f.main_agent), None)
     return "" if agent is None or main is None or agent == main else agent
 
 
@@ -167,7 +169,7 @@ def _report(message: str, scope: CaptureScope | None = None) -> None:
 
 
 def _get(obj: Any, key: str) -> Any:
-    # `raw` is an openai model (backend extras readable as attributes) or, from some LLMs, a dict
+    # `raw` is an openai model (backend extras readable as attributes), a dict, or None
     return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
 
 
@@ -178,14 +180,23 @@ def _first_choice(raw: Any) -> Any:
 
 def _record_id(raw: Any) -> str | None:
     choice = _first_choice(raw)
-    message = _get(choice, "message") or _get(choice, "delta") if choice is not None else None
-    record_id = _get(message, "id") if message is not None else None
+    record_id = _get(_get(choice, "message") or _get(choice, "delta"), "id")
     return record_id if isinstance(record_id, str) and record_id.startswith("chatcmpl-") else None
 
 
 def _finish_reason(raw: Any) -> str | None:
-    choice = _first_choice(raw)
-    return _get(choice, "finish_reason") if choice is not None else None
+    return _get(_first_choice(raw), "finish_reason")
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready: LlamaIndex may leave openai objects (tool calls) inside a message dict."""
+    if hasattr(value, "model_dump"):
+        return _plain(value.model_dump(exclude_none=True))
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 # ----- the handler --------------------------------------------------------------------------
@@ -203,7 +214,6 @@ class ARTEventHandler(BaseEventHandler):
     base_url: str | None = None
     api_key: str | None = None
     all_llms: bool = True
-    spans: ARTSpanHandler = Field(default_factory=ARTSpanHandler, exclude=True)
 
     @classmethod
     def class_name(cls) -> str:
@@ -227,28 +237,36 @@ class ARTEventHandler(BaseEventHandler):
         if scope is None:
             logger.debug("Model call outside art_capture(): served, not recorded")
             return
-        lineage = self.spans.lineage(event.span_id)
-        llm = next((f for f in lineage if f.llm), _Facts())
+        if event.span_id is None:
+            scope.error("a LlamaIndex LLM call has no span, so its reply cannot be matched: it is not recorded")
+            return
+        if event.span_id in _pending:  # another handler has it
+            return
+        lineage = _spans.lineage(event.span_id)
+        llm = next((f for _, f in lineage if f.llm), _NO_FACTS)
         if not (self.all_llms or llm.art_llm):
             logger.debug("A call from a LlamaIndex LLM that is not an ARTLLM: served, not recorded "
                          "(call art_integrations.llamaindex.instrument() to record every LLM)")
             return
-        if event.span_id is None:
-            scope.error("a LlamaIndex LLM call has no span, so its reply cannot be matched: it is not recorded")
-            return
-        endpoint = self.base_url or llm.endpoint or ""
-        if not endpoint:
-            scope.error("a LlamaIndex LLM call's base URL is unknown: install the handler with "
-                        "art_integrations.llamaindex.instrument(), or pass ARTEventHandler(base_url=...)")
         if isinstance(event, LLMChatStartEvent):
-            messages = [dict(m) for m in to_openai_message_dicts(event.messages)]
-            tools = event.additional_kwargs.get("tools")
+            messages = _plain(to_openai_message_dicts(event.messages))
+            tools = _plain(event.additional_kwargs.get("tools"))
         else:  # a chat model's complete(): the prompt goes as one user message
             messages, tools = [{"role": "user", "content": event.prompt}], None
+        endpoint = self.base_url or llm.endpoint or ""
         pending = _Pending(scope=scope, endpoint=endpoint, api_key=self.api_key or llm.api_key, messages=messages,
                            tools=tools, agent=_agent_key(lineage), started=time.monotonic())
         with _pending_lock:
-            _pending.setdefault(event.span_id, pending)  # another handler may have it already
+            if event.span_id in _pending:
+                return
+            # a wrapper LLM (StructuredLLM) reports the call its inner LLM reports again: keep the
+            # innermost, the one that reached the backend
+            for span_id, _ in lineage[1:]:
+                _pending.pop(span_id, None)
+            _pending[event.span_id] = pending
+        if not endpoint:
+            scope.error("a LlamaIndex LLM call's base URL is unknown: install the handler with "
+                        "art_integrations.llamaindex.instrument(), or pass ARTEventHandler(base_url=...)")
 
     def _progress(self, event: LLMChatInProgressEvent | LLMCompletionInProgressEvent) -> None:
         pending = _pending.get(event.span_id or "")
@@ -266,7 +284,7 @@ class ARTEventHandler(BaseEventHandler):
             return
         raw = event.response.raw
         if isinstance(event, LLMChatEndEvent):
-            response = dict(to_openai_message_dict(event.response.message, drop_none=True))
+            response = _plain(to_openai_message_dict(event.response.message, drop_none=True))
         else:
             response = {"role": "assistant", "content": event.response.text}
         record_call(ModelCall(
@@ -296,6 +314,6 @@ def instrument(base_url: str | None = None, api_key: str | None = None, all_llms
             handler.all_llms = handler.all_llms or all_llms
             handler.base_url = base_url or handler.base_url
             handler.api_key = api_key or handler.api_key
-        if not any(h is handler.spans for h in root.span_handlers):
-            root.add_span_handler(handler.spans)
+        if not any(h is _spans for h in root.span_handlers):
+            root.add_span_handler(_spans)
     return handler

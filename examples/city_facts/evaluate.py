@@ -42,12 +42,13 @@ async def main() -> None:
     parser.add_argument("--models", nargs="*", default=None, help="served model names to score")
     parser.add_argument("--trained", default="city-agent-s0", help="with the local backend: a model trained by train.py")
     parser.add_argument("--art-dir", default=".art")
+    parser.add_argument("--model", default=None, help="the local backend's base model dir (default: embedded)")
     parser.add_argument("--held-out", type=int, default=12)
     args = parser.parse_args()
     if args.base_url:
         await score_models(args.base_url, args.api_key, args.models or [], args.held_out)
         return
-    async with LocalBackend(art_dir=args.art_dir) as backend:
+    async with LocalBackend(model=args.model, art_dir=args.art_dir) as backend:
         model = TrainableModel(name=args.trained, project="city-facts")
         await model.register(backend)
         names = args.models or [model.base_model, model.get_inference_name(await model.get_step())]
