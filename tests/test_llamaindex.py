@@ -224,7 +224,7 @@ async def test_calls_outside_a_capture_and_failed_calls(tiny_llm: ARTLLM, tiny_s
 
 async def test_handler_on_a_plain_openai_like(tiny_server: ServerThread, clean_dispatcher: None) -> None:
     llm = OpenAILike(model="tiny-random-smollm2", api_base=f"{tiny_server.base_url}/v1", api_key="unused",
-                     is_chat_model=True, is_function_calling_model=True, max_tokens=40,
+                     is_chat_model=True, is_function_calling_model=True, max_tokens=40, timeout=600,
                      additional_kwargs={"extra_body": {"return_token_ids": True}})
     handler = instrument()
     assert instrument() is handler  # idempotent

@@ -98,7 +98,7 @@ def scores(entries: list[tuple[str, float, str]]) -> str:
 def by_content(request: dict[str, Any]) -> str:
     """0.9 to a trajectory that says Paris, 0.1 otherwise, listed in reverse order of the ids."""
     shown = trajectories_in(request)
-    return scores([(i, 0.9 if "Paris" in body else 0.1, f"it says {body.splitlines()[-1]}")
+    return scores([(i, 0.9 if "Paris" in body else 0.1, f"it says {body.splitlines()[0]}")
                    for i, body in reversed(shown.items())])
 
 
