@@ -5,6 +5,7 @@ This package stays light (no torch): it talks to the backend over HTTP.
 
 from art_integrations.capture import art_capture, current_capture
 from art_integrations.gather import (
+    GatheredGroups,
     TooManyRolloutErrors,
     gather_trajectories,
     gather_trajectory_groups,
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Backend",
     "BackendError",
+    "GatheredGroups",
     "Choice",
     "History",
     "LocalBackend",

@@ -33,6 +33,13 @@ class TooManyRolloutErrors(RuntimeError):
     pass
 
 
+class GatheredGroups(list[TrajectoryGroup]):
+    """The groups kept, plus why any were dropped by `after_each` (e.g. a judge that failed):
+    `model.train(groups)` reports those in the step's metrics and history, so none vanishes."""
+
+    dropped: list[dict[str, Any]]
+
+
 @dataclass
 class RolloutGroup:
     """`n` rollouts of one scenario, not started yet."""
@@ -67,7 +74,7 @@ async def gather_trajectory_groups(
     after_each: AfterEach | None = None,
     progress: bool = True,
     desc: str = "gather",
-) -> list[TrajectoryGroup]:
+) -> GatheredGroups:
     """Run every rollout of every group (at most `max_concurrency` at once) and return the
     groups in order. `after_each(group)` runs as each group completes (e.g. RULER scoring); it
     may change the group, return a replacement, or return None to drop it (logged)."""
@@ -75,7 +82,8 @@ async def gather_trajectory_groups(
     total = sum(spec.n for spec in specs)
     budget = max_exceptions if isinstance(max_exceptions, int) else int(max_exceptions * total)
     limit = asyncio.Semaphore(max_concurrency or total or 1)
-    results = [TrajectoryGroup(metadata=dict(spec.metadata)) for spec in specs]
+    results: list[TrajectoryGroup | None] = [TrajectoryGroup(metadata=dict(spec.metadata)) for spec in specs]
+    dropped: list[dict[str, Any]] = []
     failures: list[str] = []
     bar = tqdm(total=total, desc=desc, disable=not progress, unit="rollout")
     rewards: list[float] = []
@@ -109,13 +117,17 @@ async def gather_trajectory_groups(
 
     async def run_group(index: int, spec: RolloutGroup) -> None:
         await asyncio.gather(*(run(index, spec) for _ in range(spec.n)))
-        if after_each is not None:
-            outcome = after_each(results[index])
+        group = results[index]
+        if after_each is not None and group is not None:
+            outcome = after_each(group)
             if inspect.isawaitable(outcome):
                 outcome = await outcome
             if outcome is None:
-                logger.warning("after_each dropped group %d (%s)", index, results[index].metadata)
-            results[index] = outcome  # type: ignore[assignment]
+                reason = str(group.metadata.get("ruler_error") or "after_each returned None")
+                logger.warning("after_each dropped group %d (%s): %s", index, group.metadata, reason)
+                dropped.append({"group": index, "metadata": group.metadata, "reason": reason,
+                                "trajectories": len(group.trajectories)})
+            results[index] = outcome
 
     tasks = [asyncio.ensure_future(run_group(i, spec)) for i, spec in enumerate(specs)]
     try:
@@ -127,9 +139,10 @@ async def gather_trajectory_groups(
         raise
     finally:
         bar.close()
-    kept = [group for group in results if group is not None]
+    kept = GatheredGroups(group for group in results if group is not None)
+    kept.dropped = dropped
     if progress:
         mean = f"{statistics.fmean(rewards):.3f}" if rewards else "n/a"
-        print(f"{desc}: {len(kept)} groups, {len(rewards)} trajectories, {len(failures)} failed rollouts, "
-              f"reward mean {mean}, {tokens} completion tokens")
+        print(f"{desc}: {len(kept)} groups ({len(dropped)} dropped), {len(rewards)} trajectories, "
+              f"{len(failures)} failed rollouts, reward mean {mean}, {tokens} completion tokens")
     return kept

@@ -58,9 +58,11 @@ class TrainableModel(BaseModel):
         return (await self.backend.request("GET", self._path("step")))["step"]
 
     async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | None = None) -> TrainResult:
-        """One GRPO step on `groups`; the new checkpoint is served before this returns."""
+        """One GRPO step on `groups`; the new checkpoint is served before this returns. Groups that
+        `gather_trajectory_groups` dropped are counted in the step's metrics, with their reasons."""
         body = {"groups": [g.model_dump(mode="json") for g in groups],
-                "config": (config or TrainConfig()).model_dump()}
+                "config": (config or TrainConfig()).model_dump(),
+                "dropped": [d["reason"] for d in getattr(groups, "dropped", [])]}
         return TrainResult.model_validate(await self.backend.request("POST", self._path("train"), body))
 
     async def log(self, groups: list[TrajectoryGroup], split: str = "val") -> dict[str, Any]:

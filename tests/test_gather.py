@@ -73,7 +73,9 @@ async def test_after_each_scores_or_drops_groups(capsys: pytest.CaptureFixture[s
     groups = await gather_trajectory_groups(
         [trajectory_group(rollout, n=2, scenario=s) for s in ("keep", "drop")], after_each=score)
     assert len(groups) == 1 and [t.reward for t in groups[0].trajectories] == [0.0, 1.0]
-    assert "gather: 1 groups, 4 trajectories, 0 failed rollouts" in capsys.readouterr().out
+    assert groups.dropped == [{"group": 1, "metadata": {"scenario": "drop"}, "reason": "after_each returned None",
+                               "trajectories": 2}]
+    assert "gather: 1 groups (1 dropped), 4 trajectories, 0 failed rollouts" in capsys.readouterr().out
 
 
 async def test_gather_trajectories_runs_one_group() -> None:

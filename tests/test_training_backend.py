@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from art_integrations import BackendError, LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
+from art_integrations import BackendError, GatheredGroups, LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
 
 TINY = "tiny-random-smollm2"
 
@@ -81,8 +81,12 @@ async def test_train_writes_a_checkpoint_serves_it_and_resumes_after_restart(tmp
         model = TrainableModel(name="agent", project="demo")
         await model.register(restarted)
         assert await model.get_step() == 1
-        result = await model.train([await _group(model, "c", [0.0, 1.0])], TrainConfig(learning_rate=1e-3))
+        gathered = GatheredGroups([await _group(model, "c", [0.0, 1.0])])
+        gathered.dropped = [{"group": 1, "metadata": {}, "reason": "judge failed: no score for t2", "trajectories": 2}]
+        result = await model.train(gathered, TrainConfig(learning_rate=1e-3))
         assert result.step == 2
+        assert result.metrics["groups/dropped"] == 1
+        assert (await model.history())[-1]["dropped_reasons"] == ["judge failed: no score for t2"]
         optimizer = torch.load(art_dir / "demo" / "models" / "agent" / "checkpoints" / "0002" / "optimizer.pt")
         assert {float(s["step"]) for s in optimizer["state"].values()} == {2.0}  # Adam state carried over
 

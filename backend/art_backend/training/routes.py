@@ -22,6 +22,7 @@ class RegisterBody(BaseModel):
 class TrainBody(BaseModel):
     groups: list[TrajectoryGroup]
     config: TrainConfig = Field(default_factory=TrainConfig)
+    dropped: list[str] = Field(default_factory=list, description="why groups were dropped before training")
 
 
 class LogBody(BaseModel):
@@ -47,7 +48,7 @@ def training_router(service: TrainingService) -> APIRouter:
 
     @router.post("/models/{project}/{name}/train")
     async def train(project: str, name: str, body: TrainBody) -> dict[str, Any]:
-        return await service.train(project, name, body.groups, body.config)
+        return await service.train(project, name, body.groups, body.config, body.dropped)
 
     @router.post("/models/{project}/{name}/log")
     async def log(project: str, name: str, body: LogBody) -> dict[str, Any]:

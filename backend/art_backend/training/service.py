@@ -139,12 +139,16 @@ class TrainingService:
 
     # ----- training ---------------------------------------------------------------------
 
-    async def train(self, project: str, name: str, groups: list[TrajectoryGroup], config: TrainConfig) -> dict[str, Any]:
+    async def train(self, project: str, name: str, groups: list[TrajectoryGroup], config: TrainConfig,
+                    dropped: list[str] | None = None) -> dict[str, Any]:
         model = self.model(project, name)
         async with self._locks[name]:
             started = time.perf_counter()
             step = self.get_step(project, name)
             sequences, metrics = self._prepare(groups, config)
+            if dropped:
+                metrics["groups/dropped"] = len(dropped)
+                metrics["dropped_reasons"] = dropped
             if not sequences:
                 metrics["trained"] = False
                 metrics["note"] = ("No step taken: every group had equal rewards (no signal) or no model turns. "
