@@ -76,10 +76,11 @@ class LocalBackend(Backend):
 
     `model`: a local Hugging Face model directory; default the embedded SmolLM2-135M-Instruct.
     `art_dir`: where checkpoints, metrics and trajectories are written (default `.art`).
+    `log_file`: with `in_process=False`, where the child's output goes (default: this process's).
     """
 
     def __init__(self, *, in_process: bool = True, model: str | None = None, art_dir: str | Path = ".art",
-                 port: int | None = None, startup_timeout: float = 600.0) -> None:
+                 port: int | None = None, startup_timeout: float = 600.0, log_file: str | Path | None = None) -> None:
         port = port or _free_port()
         super().__init__(f"http://127.0.0.1:{port}")
         self._process: subprocess.Popen[bytes] | None = None
@@ -88,7 +89,7 @@ class LocalBackend(Backend):
         if in_process:
             self._start_in_process(port, model, Path(art_dir))
         else:
-            self._start_child(port, model, Path(art_dir))
+            self._start_child(port, model, Path(art_dir), log_file)
         self._wait_until_up(startup_timeout)
 
     def _start_in_process(self, port: int, model: str | None, art_dir: Path) -> None:
@@ -108,11 +109,15 @@ class LocalBackend(Backend):
         self._thread = threading.Thread(target=self._server.run, name="art-local-backend", daemon=True)
         self._thread.start()
 
-    def _start_child(self, port: int, model: str | None, art_dir: Path) -> None:
+    def _start_child(self, port: int, model: str | None, art_dir: Path, log_file: str | Path | None) -> None:
         command = [sys.executable, "-m", "art_backend", "serve", "--port", str(port), "--art-dir", str(art_dir)]
         if model:
             command += ["--model", model]
-        self._process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        log = open(log_file, "ab") if log_file is not None else None  # noqa: SIM115 - the child owns it
+        self._process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log,
+                                         stderr=subprocess.STDOUT if log else None)
+        if log is not None:
+            log.close()  # the child has its own handle
 
     def _wait_until_up(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -127,10 +132,11 @@ class LocalBackend(Backend):
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        self._stop()
+        self.stop()
         raise BackendError(f"The local backend did not start within {timeout:.0f} s.")
 
-    def _stop(self) -> None:
+    def stop(self) -> None:
+        """Stop the server (what `close()` does besides closing this client's connections)."""
         if self._server is not None and self._thread is not None:
             self._server.should_exit = True
             self._thread.join(timeout=60)
@@ -146,4 +152,4 @@ class LocalBackend(Backend):
 
     async def close(self) -> None:
         await super().close()
-        self._stop()
+        self.stop()

@@ -24,22 +24,18 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from uuid import uuid4
 
-import httpx
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.outputs import ChatGeneration, LLMResult
 from langchain_openai import ChatOpenAI
 
+from art_integrations import LocalBackend
 from art_integrations.capture import art_capture, assemble
 from art_integrations.langchain.callback import ARTCallbackHandler
 from art_integrations.langchain.chat_model import ChatART
@@ -54,40 +50,15 @@ ART_REASON = ("pip install --dry-run openpipe-art adds ~50 packages (litellm, we
 Variant = Callable[[int], list[float]]  # runs n calls, returns per-call seconds
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def backend_server() -> Iterator[str]:
-    """A `python -m art_backend serve` subprocess on a free loopback port; yields its /v1 URL."""
-    port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    """The backend as a child process (its own GIL, as in real use); yields its /v1 URL."""
     log = tempfile.NamedTemporaryFile(prefix="bench-capture-", suffix=".log", delete=False)
-    command = [sys.executable, "-m", "art_backend", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--model", MODEL]
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    backend = LocalBackend(in_process=False, model=MODEL, art_dir=tempfile.mkdtemp(), log_file=log.name)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not become healthy; see {log.name}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"{backend.base_url}/v1"
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
+        backend.stop()
 
 
 def timed(fn: Callable[[], object]) -> float:

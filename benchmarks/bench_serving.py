@@ -21,23 +21,20 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-import httpx
 import torch
 from openai import AsyncOpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from art_backend.config import BackendSettings
+from art_integrations import LocalBackend
 from art_backend.model_store import resolve_model_dir
 
 PER_REQUEST_GAIN_TARGET = 10.0
@@ -49,12 +46,6 @@ def chat_messages(count: int) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": f"Write a short story about topic {i}."}] for i in range(count)]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def measure(label: str, n: int, tokens: int, repeats: int, run_once: Callable[[int], object]) -> float:
     """Time `run_once(repeat)` `repeats` times; print each rate; return the median tokens/s."""
     timings = []
@@ -64,27 +55,6 @@ def measure(label: str, n: int, tokens: int, repeats: int, run_once: Callable[[i
         timings.append(time.perf_counter() - start)
         print(f"  {label:<12} N={n:<3} repeat {r + 1}: {tokens / timings[-1]:8.1f} tok/s", flush=True)
     return tokens / statistics.median(timings)
-
-
-def start_server(model: str | None, port: int, log: IO[bytes]) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "art_backend", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    if model is not None:
-        command += ["--model", model]
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-
-
-def wait_until_healthy(base: str, server: subprocess.Popen[bytes], timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"server exited with code {server.returncode} before becoming healthy; see its log")
-        try:
-            if httpx.get(f"{base}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"server not healthy after {timeout_s:.0f} s")
 
 
 async def one_request(client: AsyncOpenAI, model: str, messages: list[dict[str, str]], new_tokens: int) -> int:
@@ -107,15 +77,12 @@ async def concurrent_round(client: AsyncOpenAI, model: str, prompts: list[list[d
 
 
 def bench_backend(model: str | None, levels: list[int], new_tokens: int, repeats: int) -> dict[int, float]:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     log = tempfile.NamedTemporaryFile(prefix="bench-serving-", suffix=".log", delete=False)
-    print(f"Server on {base}, log {log.name}", flush=True)
-    server = start_server(model, port, log)
+    backend = LocalBackend(in_process=False, model=model, art_dir=tempfile.mkdtemp(), log_file=log.name)
+    print(f"Server on {backend.base_url}, log {log.name}", flush=True)
     try:
-        wait_until_healthy(base, server)
         with asyncio.Runner() as runner:
-            client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=1800.0)
+            client = AsyncOpenAI(base_url=f"{backend.base_url}/v1", api_key="unused", max_retries=0, timeout=1800.0)
             served = runner.run(served_model(client))
             runner.run(concurrent_round(client, served, chat_messages(1), min(8, new_tokens)))  # warm-up
             rates = {n: measure("backend", n, n * new_tokens, repeats, lambda _, n=n: runner.run(
@@ -123,13 +90,7 @@ def bench_backend(model: str | None, levels: list[int], new_tokens: int, repeats
             runner.run(client.close())
         return rates
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
+        backend.stop()
 
 
 def render_prompts(tokenizer: PreTrainedTokenizerBase, count: int) -> list[str]:

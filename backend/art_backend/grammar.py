@@ -44,7 +44,7 @@ def tool_call_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
     # json.dumps's layout, the one chat_format renders tool calls with: a call the model made
     # then re-renders to the same text, so the next turn's prompt extends this turn's tokens.
     schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
-    repeat = f' ("\\n" call)*' if parallel else ""
+    repeat = ' ("\\n" call)*' if parallel else ""
     lark = (f"start: call{repeat}\n"
             f"call: {_lark_string(TOOL_CALL_OPEN + chr(10))} body {_lark_string(chr(10) + TOOL_CALL_CLOSE)}\n"
             f"body: %json {json.dumps(schema)}\n")

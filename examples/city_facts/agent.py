@@ -11,7 +11,7 @@ from typing import Any
 
 from langchain_core.messages import SystemMessage
 from langchain_core.tools import tool
-from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
 from examples.city_facts.task import fact

@@ -32,7 +32,7 @@ from art_backend.engine.base import (
     SequenceDelta,
     TokenLogprob,
 )
-from art_backend.engine.llama import LORA_TARGETS, KVCache, LeanLlama, LoraWeights
+from art_backend.engine.llama import LORA_TARGETS, LeanLlama, LoraWeights
 from art_backend.engine.sampling import RowSampling, sample
 from art_backend.grammar import Constrainer
 from art_backend.training.tokenize import TrainSequence
