@@ -170,7 +170,9 @@ class Forecast(BaseModel):
     sunny: bool
 
 
-async def test_predict_and_call_and_structured_predict(llm: ARTLLM, server: ServerThread) -> None:
+async def test_predict_and_call_and_structured_predict(llm: ARTLLM, server: ServerThread,
+                                                       clean_dispatcher: None) -> None:
+    instrument()  # every LLM recorded, wrappers included
     with art_capture() as called:
         result = llm.predict_and_call(TOOLS, "What time is it in Rome?", tool_required=True)
     assert result.sources[0].tool_name == "get_time" and result.response.startswith("10:30 in ")

@@ -6,4 +6,4 @@ Needs the `llamaindex` extra: `pip install "art-integrations[llamaindex]"`.
 from art_integrations.llamaindex.handler import ARTEventHandler, instrument
 from art_integrations.llamaindex.llm import ARTLLM
 
-__all__ = ["ARTEventHandler", "ARTLLM", "instrument"]
+__all__ = ["ARTLLM", "ARTEventHandler", "instrument"]

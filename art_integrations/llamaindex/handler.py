@@ -74,8 +74,8 @@ class _Facts:
 
 def _facts(instance: Any, bound_args: inspect.BoundArguments) -> _Facts | None:
     if isinstance(instance, BaseLLM):
-        return _Facts(llm=True, endpoint=getattr(instance, "api_base", None), api_key=getattr(instance, "api_key", None),
-                      art_llm=isinstance(instance, ARTLLM))
+        return _Facts(llm=True, endpoint=getattr(instance, "api_base", None),
+                      api_key=getattr(instance, "api_key", None), art_llm=isinstance(instance, ARTLLM))
     if isinstance(instance, AgentWorkflow):
         return _Facts(main_agent=instance.root_agent)
     if isinstance(instance, BaseWorkflowAgent):  # a lone agent's run
@@ -264,9 +264,6 @@ class ARTEventHandler(BaseEventHandler):
             for span_id, _ in lineage[1:]:
                 _pending.pop(span_id, None)
             _pending[event.span_id] = pending
-        if not endpoint:
-            scope.error("a LlamaIndex LLM call's base URL is unknown: install the handler with "
-                        "art_integrations.llamaindex.instrument(), or pass ARTEventHandler(base_url=...)")
 
     def _progress(self, event: LLMChatInProgressEvent | LLMCompletionInProgressEvent) -> None:
         pending = _pending.get(event.span_id or "")
@@ -282,6 +279,9 @@ class ARTEventHandler(BaseEventHandler):
         if event.response is None:
             pending.scope.error("a streamed LlamaIndex call ended without a single chunk: nothing to record")
             return
+        if not pending.endpoint:
+            pending.scope.error("a LlamaIndex LLM call's base URL is unknown: install the handler with "
+                                "art_integrations.llamaindex.instrument(), or pass ARTEventHandler(base_url=...)")
         raw = event.response.raw
         if isinstance(event, LLMChatEndEvent):
             response = _plain(to_openai_message_dict(event.response.message, drop_none=True))
