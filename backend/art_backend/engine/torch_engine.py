@@ -15,9 +15,10 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import llguidance
 import llguidance.torch
@@ -89,7 +90,7 @@ class TorchEngine:
 
     def __init__(self, model_dir: Path, served_model_name: str | None = None,
                  max_model_len: int | None = None, max_batch_size: int = 64,
-                 prefix_cache_tokens: int = 32768, threads: int | None = None) -> None:
+                 prefix_cache_tokens: int = 16384, threads: int | None = None) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -114,6 +115,7 @@ class TorchEngine:
         self._cache = self.lean.new_cache()
         self._active: list[_Sequence] = []
         self._waiting: deque[_Request] = deque()
+        self._jobs: deque[tuple[Callable[[], Any], asyncio.Future[Any], asyncio.AbstractEventLoop]] = deque()
         self._prefixes: OrderedDict[tuple[int, ...], _PrefixEntry] = OrderedDict()
         self._prefix_tokens = 0
         self._prefix_budget = prefix_cache_tokens
@@ -154,16 +156,27 @@ class TorchEngine:
 
     async def train_step(self, model_name: str, sequences: list[TrainSequence], config: TrainConfig,
                          lora: LoraConfig, resume_from: Path | None, save_to: Path) -> dict[str, float]:
-        def run() -> dict[str, float]:
-            asked = time.perf_counter()
-            with self._model_lock:  # decoding pauses at its next step; queued requests just wait
-                waited = time.perf_counter() - asked
-                if self._trainer is None:
-                    self._trainer = LoraTrainer(self.model)
-                metrics = self._trainer.step(model_name, sequences, config, lora, resume_from, save_to)
-            return {**metrics, "wait_seconds": waited}
+        asked = time.perf_counter()
 
-        return await asyncio.to_thread(run)
+        def step() -> dict[str, float]:
+            waited = time.perf_counter() - asked
+            if self._trainer is None:
+                self._trainer = LoraTrainer(self.model)
+            return {**self._trainer.step(model_name, sequences, config, lora, resume_from, save_to),
+                    "wait_seconds": waited}
+
+        return await self._on_worker(step)
+
+    async def _on_worker(self, job: Callable[[], Any]) -> Any:
+        """Run `job` on the worker thread between decode steps: decoding pauses meanwhile (queued
+        requests just wait), and the job's memory comes from the same allocator arena as
+        decoding's rather than from a fresh thread's, which would keep it all reserved."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        with self._wake:
+            self._jobs.append((job, future, loop))
+            self._wake.notify()
+        return await future
 
     async def close(self) -> None:
         with self._wake:
@@ -230,10 +243,11 @@ class TorchEngine:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._closed and not self._waiting and not self._active:
+                while not self._closed and not self._waiting and not self._active and not self._jobs:
                     self._wake.wait()
                 if self._closed:
                     break
+            self._run_jobs()
             with self._model_lock:
                 try:
                     self._admit()
@@ -244,6 +258,17 @@ class TorchEngine:
                     self._fail_active(error)
         for seq in self._active:
             self._send(seq.request, RuntimeError("The engine was closed."))
+
+    def _run_jobs(self) -> None:
+        while self._jobs:
+            job, future, loop = self._jobs.popleft()
+            try:
+                with self._model_lock:
+                    result = job()
+            except Exception as error:  # the job's caller gets the error; the engine goes on
+                loop.call_soon_threadsafe(future.set_exception, error)
+            else:
+                loop.call_soon_threadsafe(future.set_result, result)
 
     def _send(self, request: _Request, item: list[SequenceDelta] | BaseException) -> None:
         try:
