@@ -48,7 +48,7 @@ class Scenario:
 
 def scenarios(split: str, count: int, seed: int = 0) -> list[Scenario]:
     """Train and held-out scenarios use disjoint cities, so held-out scores measure generalisation."""
-    cities = CITIES[:14] if split == "train" else CITIES[14:]
+    cities = CITIES[:14] if split == "train" else CITIES[14:]  # held-out cities are never trained on
     rng = random.Random(f"{split}-{seed}")
     out = []
     for i in range(count):
@@ -59,14 +59,15 @@ def scenarios(split: str, count: int, seed: int = 0) -> list[Scenario]:
 
 
 def score(scenario: Scenario, tool_calls: list[tuple[str, dict]], final_answer: str) -> dict[str, float]:
-    """Partial credit: the right tool (0.4), the right city (0.2), and a plain-words answer that
-    states the fact (0.4, half of it for mentioning the key number alone)."""
+    """Partial credit, one part at a time: the right tool (0.3), the right city (0.2), an answer
+    that carries the fact's number (0.2), in plain words rather than echoed markup (0.1), and
+    the whole fact (0.2)."""
     right_tool = any(name == scenario.tool for name, _ in tool_calls)
     right_city = any(args.get("city") == scenario.city for _, args in tool_calls)
     number = re.search(r"[\d.:]+", scenario.answer).group()
-    plain = "<" not in final_answer and bool(final_answer.strip())
+    has_number = number in final_answer
+    plain = bool(final_answer.strip()) and "<" not in final_answer
     states_fact = plain and scenario.answer.split(",")[0] in final_answer
-    mentions_number = plain and number in final_answer
-    answer_credit = 0.4 if states_fact else 0.2 if mentions_number else 0.0
-    return {"right_tool": float(right_tool), "right_city": float(right_city), "states_fact": float(states_fact),
-            "reward": 0.4 * right_tool + 0.2 * right_city + answer_credit}
+    return {"right_tool": float(right_tool), "right_city": float(right_city), "has_number": float(has_number),
+            "plain": float(plain), "states_fact": float(states_fact),
+            "reward": 0.3 * right_tool + 0.2 * right_city + 0.2 * has_number + 0.1 * plain + 0.2 * states_fact}

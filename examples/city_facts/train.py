@@ -37,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--scenarios-per-step", type=int, default=3)
     parser.add_argument("--rollouts", type=int, default=4, help="rollouts per scenario (one group)")
     parser.add_argument("--held-out", type=int, default=12, help="held-out scenarios scored before and after")
-    parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="a local Hugging Face model dir (default: embedded SmolLM2)")
     parser.add_argument("--name", default=None, help="model name (default: city-agent-s<seed>)")
@@ -99,7 +99,7 @@ async def main() -> None:
             result = await model.train(groups, TrainConfig(learning_rate=args.learning_rate))
             m = result.metrics
             print(f"step {result.step}/{args.steps}: reward mean {m['reward/mean']:.3f} std {m['reward/std']:.3f}, "
-                  f"right tool {m.get('metrics/right_tool', 0):.2f}, states fact {m.get('metrics/states_fact', 0):.2f}, "
+                  f"right tool {m.get('metrics/right_tool', 0):.2f}, plain answer {m.get('metrics/plain', 0):.2f}, "
                   f"{m.get('seconds', 0):.0f} s train, groups trained {m['groups/trained']}/{len(groups)}")
         final_step = await model.get_step()
         trained = await held_out_score(model, final_step, held_out, "trained policy")
