@@ -120,3 +120,23 @@ async def test_backend_in_a_child_process_starts_and_stops(tmp_path: Path) -> No
     assert await model.get_step() == 0
     await backend.close()
     assert process is not None and process.returncode is not None
+
+
+async def test_remote_backend_with_an_api_key(tiny_engine, tmp_path: Path) -> None:
+    from art_backend.server import create_app
+    from art_backend.training.service import TrainingService
+    from art_integrations import RemoteBackend
+    from tests.conftest import ServerThread
+
+    app = create_app(tiny_engine, api_key="k3y", training=TrainingService(tiny_engine, tmp_path))
+    with ServerThread(app) as running:
+        async with RemoteBackend(f"{running.base_url}/v1", api_key="k3y") as backend:
+            model = TrainableModel(name="remote", project="p")
+            await model.register(backend)
+            assert await model.get_step() == 0
+            reply = await model.openai_client().chat.completions.create(
+                model=model.inference_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            assert reply.choices[0].finish_reason in ("stop", "length")
+        async with RemoteBackend(running.base_url, api_key="wrong") as intruder:
+            with pytest.raises(BackendError, match="401"):
+                await TrainableModel(name="x", project="p").register(intruder)
