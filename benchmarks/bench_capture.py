@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from uuid import uuid4
 
+import httpx
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.outputs import ChatGeneration, LLMResult
 from langchain_openai import ChatOpenAI
@@ -40,7 +41,7 @@ from art_integrations.capture import art_capture, assemble
 from art_integrations.langchain.callback import ARTCallbackHandler
 from art_integrations.langchain.chat_model import ChatART
 
-MODEL = "tiny-random-smollm2"
+TINY = "tiny-random-smollm2"
 PROMPT = "Say hello."
 WARMUP = 5
 PER_SCOPE_D = 10
@@ -51,12 +52,14 @@ Variant = Callable[[int], list[float]]  # runs n calls, returns per-call seconds
 
 
 @contextmanager
-def backend_server() -> Iterator[str]:
-    """The backend as a child process (its own GIL, as in real use); yields its /v1 URL."""
+def backend_server(model: str | None) -> Iterator[tuple[str, str]]:
+    """The backend as a child process (its own GIL, as in real use); yields its /v1 URL and
+    the served model name."""
     log = tempfile.NamedTemporaryFile(prefix="bench-capture-", suffix=".log", delete=False)
-    backend = LocalBackend(in_process=False, model=MODEL, art_dir=tempfile.mkdtemp(), log_file=log.name)
+    backend = LocalBackend(in_process=False, model=model, art_dir=tempfile.mkdtemp(), log_file=log.name)
     try:
-        yield f"{backend.base_url}/v1"
+        served = httpx.get(f"{backend.base_url}/v1/models").json()["data"][0]["id"]
+        yield f"{backend.base_url}/v1", served
     finally:
         backend.stop()
 
@@ -75,8 +78,8 @@ def checked_capture(fn: Callable[[], object], calls: int) -> None:
         raise RuntimeError(f"capture did not record {calls} call(s): {trajectory.metrics} {trajectory.logs}")
 
 
-def build_variants(base_url: str) -> dict[str, Variant]:
-    common = {"model": MODEL, "base_url": base_url, "api_key": "unused", "max_tokens": 4, "temperature": 0}
+def build_variants(base_url: str, model: str) -> dict[str, Variant]:
+    common = {"model": model, "base_url": base_url, "api_key": "unused", "max_tokens": 4, "temperature": 0}
     plain, tokens = ChatOpenAI(**common), ChatOpenAI(**common, extra_body={"return_token_ids": True})
     art, handler = ChatART(**common), ARTCallbackHandler()
     config = {"callbacks": [handler]}
@@ -113,11 +116,11 @@ def run_rounds(variants: dict[str, Variant], calls: int, rounds: int) -> dict[st
     return results
 
 
-def micro_us(base_url: str) -> dict[str, float]:
+def micro_us(base_url: str, model: str) -> dict[str, float]:
     """Client-side cost without HTTP: handler callbacks, and capture enter/close/assemble."""
     handler = ARTCallbackHandler(base_url=base_url)
     serialized = {"kwargs": {"openai_api_base": base_url}}
-    params = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+    params = {"model": model, "max_tokens": 4, "temperature": 0}
     reply = LLMResult(generations=[[ChatGeneration(message=AIMessage(content="Hi there!", id="chatcmpl-abc-0"),
                                                    generation_info={"finish_reason": "length"})]])
     handler_s, capture_s = [], []
@@ -175,13 +178,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=50, help="calls per variant per round")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--model", default=TINY, help=f"served model: {TINY} (default: calls cost little, so the "
+                        "overhead shows) or 'embedded' for SmolLM2-135M (calls as in real use)")
     args = parser.parse_args()
     installed = importlib.util.find_spec("art") is not None
     art = "ART: installed, not benchmarked" if installed else f"ART: not installed ({ART_REASON})"
-    with backend_server() as base_url:
-        print(f"Server {base_url} ({MODEL}); {args.rounds} rounds x {args.calls} calls", flush=True)
-        results = run_rounds(build_variants(base_url), args.calls, args.rounds)
-    micro = micro_us(base_url)
+    with backend_server(None if args.model == "embedded" else args.model) as (base_url, served):
+        print(f"Server {base_url} ({served}); {args.rounds} rounds x {args.calls} calls", flush=True)
+        results = run_rounds(build_variants(base_url, served), args.calls, args.rounds)
+    micro = micro_us(base_url, served)
     rows = summarize(results)
     print_report(rows, micro, art, args.calls, args.rounds)
     if args.json:
