@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -96,3 +98,14 @@ def server(embedded_engine: TorchEngine) -> Iterator[ServerThread]:
 def tiny_server(tiny_engine: TorchEngine) -> Iterator[ServerThread]:
     with ServerThread(create_app(tiny_engine)) as running:
         yield running
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_example(module: str, *args: str, timeout: float = 900) -> str:
+    """Run `python -m <module> args...` from the repository root; fail with its output if it fails."""
+    result = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                            timeout=timeout, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout

@@ -50,7 +50,8 @@ class RulerError(RuntimeError):
 @dataclass
 class Judge:
     """An OpenAI-compatible endpoint as judge; `base_url` as the `openai` client takes it (most end
-    in /v1). `max_tokens=None` budgets from the ids and `max_explanation_chars` (also in the schema)."""
+    in /v1). `max_tokens=None` budgets from the ids and `max_explanation_chars` (also in the schema),
+    capped to fit `context_window` when it is known."""
 
     base_url: str
     model: str
@@ -58,6 +59,7 @@ class Judge:
     temperature: float = 0.0
     max_tokens: int | None = None
     max_explanation_chars: int | None = 400
+    context_window: int | None = None
     client: AsyncOpenAI | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -102,7 +104,8 @@ async def resolve_judge(judge: JudgeLike) -> Judge:
         raise TypeError(f"judge must be a Judge, (AsyncOpenAI, model), Backend, TrainableModel or None, not {judge!r}")
     if backend not in _backend_judges:  # the base model, no adapter: what /v1/models lists as root
         served = (await backend.request("GET", "/v1/models"))["data"]
-        _backend_judges[backend] = Judge.from_client(backend.openai_client(), served[0].get("root") or served[0]["id"])
+        _backend_judges[backend] = Judge.from_client(backend.openai_client(), served[0].get("root") or served[0]["id"],
+                                                     context_window=served[0].get("max_model_len"))
     return _backend_judges[backend]
 
 
@@ -226,12 +229,22 @@ def parse_answer(text: str, ids: list[str]) -> dict[str, TrajectoryScore]:
     return scores
 
 
+def answer_budget(judge: Judge, messages: list[dict[str, str]], answers: int) -> int:
+    if judge.max_tokens:
+        return judge.max_tokens
+    budget = 32 + answers * ((judge.max_explanation_chars or 400) + 40)
+    if judge.context_window:  # a token is rarely under 3 characters, so this over-counts the prompt
+        prompt_tokens = sum(len(m["content"]) for m in messages) // 3 + 16 * len(messages)
+        budget = min(budget, max(64, judge.context_window - prompt_tokens))
+    return budget
+
+
 async def _judge(judge: Judge, messages: list[dict[str, str]], ids: list[str]) -> dict[str, TrajectoryScore]:
     """Ask once; on a bad answer ask once more, showing the judge its answer and the error."""
     schema = answer_schema(ids, judge.max_explanation_chars)
-    budget = judge.max_tokens or 32 + len(ids) * ((judge.max_explanation_chars or 400) + 40)
     error, cut = RulerError("no answer"), ""
     for attempt in range(2):
+        budget = answer_budget(judge, messages, len(ids))
         try:
             response = await judge.openai_client().chat.completions.create(
                 model=judge.model, messages=messages,  # type: ignore[arg-type]

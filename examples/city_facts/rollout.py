@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import statistics
-from typing import Any
-
 from art_integrations import Trajectory, art_capture
-from examples.city_facts.task import Scenario, score
+from examples.city_facts.agent import build_agent
+from examples.city_facts.task import Scenario, scenarios, score
+from examples.runner import Example, Policy
 
 
-async def rollout(agent: Any, scenario: Scenario) -> Trajectory:
+async def rollout(policy: Policy, scenario: Scenario) -> Trajectory:
+    agent = build_agent(policy.langchain())
     async with art_capture(scenario=scenario.id) as trajectory:
         result = await agent.ainvoke({"messages": [("user", scenario.question)]})
     messages = result["messages"]
@@ -22,9 +22,11 @@ async def rollout(agent: Any, scenario: Scenario) -> Trajectory:
     return trajectory
 
 
-async def evaluate(agent: Any, scenarios: list[Scenario]) -> tuple[float, list[Trajectory]]:
-    """Mean reward of one rollout per scenario (run the agent greedily for a stable score)."""
-    import asyncio
-
-    trajectories = list(await asyncio.gather(*(rollout(agent, s) for s in scenarios)))
-    return statistics.fmean(t.reward for t in trajectories), trajectories
+EXAMPLE = Example(
+    project="city-facts",
+    model_prefix="city-agent",
+    title="city-facts agent",
+    scenarios=lambda split, count, seed: scenarios(split, count, seed=seed),
+    rollout=rollout,
+    metrics=("right_tool", "plain", "states_fact"),
+)

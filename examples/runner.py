@@ -1,0 +1,262 @@
+"""The loop every example shares: score held-out scenarios, train GRPO steps, score again, plot.
+
+An example describes itself with an `Example` (its scenarios, how one rollout runs on a
+served model, which metrics to show) and gets two commands from this module:
+
+    train_main(EXAMPLE)      # python -m examples.<name>.train     [--model DIR] [--ruler] ...
+    evaluate_main(EXAMPLE)   # python -m examples.<name>.evaluate  [--base-url URL --models a b] ...
+
+Training resumes from the last checkpoint when run again; the held-out scores already
+measured come from the model's history.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from art_integrations import (
+    LocalBackend,
+    TrainableModel,
+    TrainConfig,
+    Trajectory,
+    TrajectoryGroup,
+    gather_trajectory_groups,
+    trajectory_group,
+)
+
+
+class Scenario(Protocol):
+    id: str
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A served model a rollout talks to. `trainable` means our backend (record exact tokens);
+    any other OpenAI-compatible endpoint is only scored."""
+
+    base_url: str  # ends in /v1
+    model: str
+    api_key: str = "unused"
+    temperature: float = 1.0
+    max_tokens: int = 64
+    trainable: bool = True
+
+    def langchain(self, **kwargs: Any) -> Any:
+        """A LangChain chat model: `ChatART` on our backend, plain `ChatOpenAI` elsewhere."""
+        from langchain_openai import ChatOpenAI
+
+        from art_integrations.langchain import ChatART
+
+        chat_model = ChatART if self.trainable else ChatOpenAI
+        return chat_model(base_url=self.base_url, model=self.model, api_key=self.api_key,
+                          temperature=self.temperature, max_tokens=self.max_tokens, **kwargs)
+
+    def llamaindex(self, **kwargs: Any) -> Any:
+        """A LlamaIndex function-calling LLM: `ARTLLM` on our backend, `OpenAILike` elsewhere."""
+        if self.trainable:
+            from art_integrations.llamaindex import ARTLLM
+
+            return ARTLLM(model=self.model, api_base=self.base_url, api_key=self.api_key,
+                          temperature=self.temperature, max_tokens=self.max_tokens, **kwargs)
+        from llama_index.llms.openai_like import OpenAILike
+
+        return OpenAILike(model=self.model, api_base=self.base_url, api_key=self.api_key,
+                          temperature=self.temperature, max_tokens=self.max_tokens,
+                          is_chat_model=True, is_function_calling_model=True, **kwargs)
+
+
+@dataclass(frozen=True)
+class Example:
+    """What an example gives the shared commands."""
+
+    project: str
+    model_prefix: str  # trained models are named <prefix>-s<seed>
+    title: str  # for the learning-curve plot
+    scenarios: Callable[[str, int, int], Sequence[Scenario]]  # (split "train"/"val", count, seed)
+    rollout: Callable[[Policy, Any], Awaitable[Trajectory]]  # runs inside art_capture and sets the reward
+    metrics: tuple[str, ...] = ()  # trajectory metrics shown per step and in the evaluation table
+    steps: int = 8
+    scenarios_per_step: int = 3
+    rollouts: int = 4
+    held_out: int = 12
+    learning_rate: float = 1e-3
+    max_tokens: int = 64
+
+
+def common_arguments(example: Example, description: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="the local backend's base model: a Hugging Face model dir "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--art-dir", default=".art", help="where trained models live")
+    parser.add_argument("--held-out", type=int, default=example.held_out, help="held-out scenarios scored")
+    parser.add_argument("--max-tokens", type=int, default=example.max_tokens, help="per model call")
+    return parser
+
+
+async def score_scenarios(example: Example, policy: Policy, scenarios: Sequence[Scenario]) -> list[Trajectory]:
+    """One rollout per scenario, all at once (the backend batches them)."""
+    return list(await asyncio.gather(*(example.rollout(policy, s) for s in scenarios)))
+
+
+def mean_metric(trajectories: Sequence[Trajectory], metric: str) -> float:
+    return statistics.fmean(float(t.metrics.get(metric, 0)) for t in trajectories) if trajectories else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# train
+
+
+async def held_out_score(example: Example, model: TrainableModel, step: int, held_out: Sequence[Scenario],
+                         max_tokens: int, label: str) -> float:
+    """The held-out score at `step` (greedy), from the history if this run already measured it."""
+    for record in await model.history():
+        if record["split"] == "val" and record["step"] == step:
+            print(f"{label} held-out score (step {step}, from history): {record['reward/mean']:.3f}")
+            return float(record["reward/mean"])
+    policy = Policy(f"{model.backend.base_url}/v1", model.get_inference_name(step), temperature=0,
+                    max_tokens=max_tokens)
+    trajectories = await score_scenarios(example, policy, held_out)
+    await model.log([TrajectoryGroup(trajectories=trajectories)], split="val")
+    score = statistics.fmean(t.reward for t in trajectories)
+    print(f"{label} held-out score (step {step}): {score:.3f}")
+    return score
+
+
+def plot_history(history: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["reward/mean"]) for r in history if r["split"] == "train"]
+    val = [(r["step"], r["reward/mean"]) for r in history if r["split"] == "val"]
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    if train:
+        axis.plot(*zip(*train), marker=".", label="train reward (rollouts)")
+    if val:
+        axis.plot(*zip(*val), marker="o", linestyle="--", label="held-out score")
+    axis.set_xlabel("step")
+    axis.set_ylabel("reward")
+    axis.set_ylim(0, 1)
+    axis.legend()
+    axis.set_title(f"{title}, GRPO")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def ruler_after_each(backend: LocalBackend, args: argparse.Namespace) -> Callable[[TrajectoryGroup], Awaitable[Any]]:
+    """Score each group with RULER: the judge is --judge-model at --judge-base-url, or the base
+    model on the local backend (a 135M judge demonstrates the loop; use a strong one for real)."""
+    from art_integrations.rewards import Judge, ruler
+
+    judge: Any = (Judge(base_url=args.judge_base_url, model=args.judge_model, api_key=args.judge_api_key)
+                  if args.judge_base_url else backend)
+    return ruler(judge=judge, swallow_exceptions=True)
+
+
+def step_line(example: Example, step: int, steps: int, metrics: dict[str, Any], groups: int) -> str:
+    def number(key: str, digits: int = 3) -> str:
+        value = metrics.get(key)
+        return "n/a" if value is None else f"{value:.{digits}f}"
+
+    parts = "".join(f", {name} {number(f'metrics/{name}', 2)}" for name in example.metrics)
+    dropped = f" ({metrics['groups/dropped']} dropped)" if metrics.get("groups/dropped") else ""
+    return (f"step {step}/{steps}: reward mean {number('reward/mean')} std {number('reward/std')}{parts}, "
+            f"{number('seconds', 0)} s train, groups trained {metrics.get('groups/trained', 0)}/{groups}{dropped}")
+
+
+async def train(example: Example, args: argparse.Namespace) -> None:
+    import torch
+
+    torch.manual_seed(args.seed)
+    started = time.perf_counter()
+    held_out = example.scenarios("val", args.held_out, 0)
+    scenarios = example.scenarios("train", args.steps * args.scenarios_per_step, args.seed)
+    async with LocalBackend(model=args.model, art_dir=args.art_dir) as backend:
+        model = TrainableModel(name=args.name or f"{example.model_prefix}-s{args.seed}", project=example.project)
+        await model.register(backend)
+        base = await held_out_score(example, model, 0, held_out, args.max_tokens, "base model")
+        policy = Policy(f"{backend.base_url}/v1", model.inference_name, temperature=1.0, max_tokens=args.max_tokens)
+        after_each = ruler_after_each(backend, args) if args.ruler else None
+        for step in range(await model.get_step(), args.steps):
+            batch = scenarios[step * args.scenarios_per_step:(step + 1) * args.scenarios_per_step]
+            groups = await gather_trajectory_groups(
+                [trajectory_group(lambda s=s: example.rollout(policy, s), n=args.rollouts, scenario=s.id)
+                 for s in batch],
+                max_exceptions=0.1, after_each=after_each, progress=False)
+            result = await model.train(groups, TrainConfig(learning_rate=args.learning_rate))
+            print(step_line(example, result.step, args.steps, result.metrics, len(groups) + len(groups.dropped)),
+                  flush=True)
+        final_step = await model.get_step()
+        trained = await held_out_score(example, model, final_step, held_out, args.max_tokens, "trained policy")
+        directory = Path(args.art_dir) / model.project / "models" / model.name
+        plot_history(await model.history(), directory / "learning_curve.png", example.title)
+    print(f"\nheld-out score: base {base:.3f} -> trained {trained:.3f} ({trained - base:+.3f}) "
+          f"in {(time.perf_counter() - started) / 60:.1f} min")
+    print(f"checkpoints: {directory / 'checkpoints'}")
+    print(f"metrics:     {directory / 'history.jsonl'}")
+    print(f"plot:        {directory / 'learning_curve.png'}")
+
+
+def train_main(example: Example, description: str | None = None) -> None:
+    parser = common_arguments(example, description)
+    parser.add_argument("--steps", type=int, default=example.steps)
+    parser.add_argument("--scenarios-per-step", type=int, default=example.scenarios_per_step)
+    parser.add_argument("--rollouts", type=int, default=example.rollouts, help="rollouts per scenario (one group)")
+    parser.add_argument("--learning-rate", type=float, default=example.learning_rate)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", default=None, help=f"model name (default: {example.model_prefix}-s<seed>)")
+    parser.add_argument("--ruler", action="store_true", help="score groups with RULER instead of the task's reward "
+                        "(kept as metrics/independent_reward)")
+    parser.add_argument("--judge-base-url", default=None, help="RULER judge endpoint (…/v1); default: the base model")
+    parser.add_argument("--judge-model", default=None)
+    parser.add_argument("--judge-api-key", default="unused")
+    asyncio.run(train(example, parser.parse_args()))
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluate
+
+
+async def print_scores(example: Example, policies: Sequence[Policy], held_out: int) -> None:
+    scenarios = example.scenarios("val", held_out, 0)
+    columns = ["held-out score", *example.metrics]
+    print(f"{'model':<36} " + " ".join(f"{c:>14}" for c in columns))
+    for policy in policies:
+        trajectories = await score_scenarios(example, policy, scenarios)
+        values = [statistics.fmean(t.reward for t in trajectories),
+                  *(mean_metric(trajectories, m) for m in example.metrics)]
+        print(f"{policy.model:<36} " + " ".join(f"{v:>14.3f}" for v in values), flush=True)
+
+
+async def evaluate(example: Example, args: argparse.Namespace) -> None:
+    if args.base_url:
+        policies = [Policy(args.base_url, name, args.api_key, temperature=0, max_tokens=args.max_tokens,
+                           trainable=False) for name in args.models or []]
+        await print_scores(example, policies, args.held_out)
+        return
+    async with LocalBackend(model=args.model, art_dir=args.art_dir) as backend:
+        model = TrainableModel(name=args.trained or f"{example.model_prefix}-s0", project=example.project)
+        await model.register(backend)
+        names = args.models or [model.base_model, model.get_inference_name(await model.get_step())]
+        policies = [Policy(f"{backend.base_url}/v1", name, temperature=0, max_tokens=args.max_tokens)
+                    for name in names]
+        await print_scores(example, policies, args.held_out)
+
+
+def evaluate_main(example: Example, description: str | None = None) -> None:
+    parser = common_arguments(example, description)
+    parser.add_argument("--base-url", help="any OpenAI-compatible endpoint (…/v1); default: start the local backend")
+    parser.add_argument("--api-key", default="unused")
+    parser.add_argument("--models", nargs="*", default=None, help="served model names to score "
+                        "(default: the base model and the newest checkpoint of --trained)")
+    parser.add_argument("--trained", default=None, help=f"a model trained by train (default {example.model_prefix}-s0)")
+    asyncio.run(evaluate(example, parser.parse_args()))
