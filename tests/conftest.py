@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from art_backend.config import BackendSettings
 from art_backend.engine.torch_engine import TorchEngine
 from art_backend.model_store import embedded_model_dir as _embedded_model_dir
