@@ -12,23 +12,30 @@ After a warm-up, each round runs every variant (order rotated per round); a roun
 the median per-call time (D: per-capture time / 10); reported is the median over rounds, and
 PASS when the overhead vs A < max(1 ms, 2% of A). Also timed without HTTP (us): the handler's
 on_chat_model_start + on_llm_end on a fake reply, and a capture's enter + close + `assemble()`
-(all but the token fetch). openpipe-art (art.langgraph) is not installed here: see ART_REASON.
+(all but the token fetch). C makes no request of its own: ChatART hands the tokens over with the
+reply; E fetches them on capture exit (one POST per capture).
+
+With --art-python (an interpreter of a separate venv with `openpipe-art`, which brings ~50
+packages we keep out of ours), each round also runs benchmarks/art_langgraph_calls.py there:
+  F  ART's `art.langgraph` wrapper (wrap_rollout + init_chat_model), one rollout per call,
+     against `ChatOpenAI.ainvoke` in that venv (F0) as its own baseline.
 
 Run from the repository root:
     ART_BACKEND_CACHE_DIR=/tmp/artcache PYTHONPATH=backend:. python benchmarks/bench_capture.py \
-        [--calls 50] [--rounds 5] [--json out.json]
+        [--calls 50] [--rounds 5] [--model embedded] [--art-python /tmp/artvenv/bin/python] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from uuid import uuid4
 
 import httpx
@@ -46,8 +53,7 @@ PROMPT = "Say hello."
 WARMUP = 5
 PER_SCOPE_D = 10
 MICRO_ITERATIONS = 2000
-ART_REASON = ("pip install --dry-run openpipe-art adds ~50 packages (litellm, weave, polars, "
-              "opentelemetry, sentry-sdk, cryptography, ...) to the shared venv: judged too heavy")
+ART_SCRIPT = Path(__file__).with_name("art_langgraph_calls.py")
 Variant = Callable[[int], list[float]]  # runs n calls, returns per-call seconds
 
 
@@ -102,16 +108,37 @@ def build_variants(base_url: str, model: str) -> dict[str, Variant]:
     }
 
 
+def art_variants(art_python: str, base_url: str, model: str) -> dict[str, Variant]:
+    """F0/F from one run of the ART script per round (both measured in its own process)."""
+    last: dict[str, list[float]] = {}
+
+    def run(n: int) -> dict[str, list[float]]:
+        out = subprocess.run([art_python, str(ART_SCRIPT), base_url, model, str(n)], capture_output=True,
+                             text=True, check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"{ART_SCRIPT.name} failed under {art_python}:\n{out.stderr[-2000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def plain(n: int) -> list[float]:
+        last.update(run(n))
+        return last["plain"]
+
+    return {"F0 ART venv: plain ainvoke": plain, "F ART wrap_rollout/call": lambda n: last["art"]}
+
+
 def run_rounds(variants: dict[str, Variant], calls: int, rounds: int) -> dict[str, list[float]]:
-    """Per variant, the median per-call seconds of each round; order rotated every round."""
+    """Per variant, the median per-call seconds of each round; order rotated every round (F0 and F
+    are measured together, so they move as one)."""
     names = list(variants)
-    for name in names:
+    ours = [n for n in names if not n.startswith("F")]
+    for name in ours:
         variants[name](WARMUP if not name.startswith("D") else PER_SCOPE_D)
     results: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        order = ours[r % len(ours):] + ours[:r % len(ours)] + [n for n in names if n.startswith("F")]
+        for name in order:
             results[name].append(statistics.median(variants[name](calls)))
-        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{n[0]} {results[n][-1] * 1e3:.2f} ms" for n in names),
+        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{n.split()[0]} {results[n][-1] * 1e3:.2f} ms" for n in names),
               flush=True)
     return results
 
@@ -143,14 +170,15 @@ def micro_us(base_url: str, model: str) -> dict[str, float]:
 
 
 def summarize(results: dict[str, list[float]]) -> list[dict[str, object]]:
+    """Overhead of each variant against its baseline: A for ours, F0 (same venv) for ART's."""
     medians = {name: statistics.median(values) * 1e3 for name, values in results.items()}
-    base = next(iter(medians.values()))
-    limit = max(1.0, 0.02 * base)
     rows: list[dict[str, object]] = []
     for name, ms in medians.items():
-        over = ms - base
-        rows.append({"variant": name, "ms_per_call": ms, "overhead_ms": over, "overhead_pct": 100 * over / base,
-                     "limit_ms": limit, "pass": None if name.startswith("A") else over < limit})
+        baseline = next(m for n, m in medians.items() if n.startswith("F0" if name.startswith("F") else "A"))
+        over, limit = ms - baseline, max(1.0, 0.02 * baseline)
+        is_baseline = name.split()[0] in ("A", "F0")
+        rows.append({"variant": name, "ms_per_call": ms, "overhead_ms": over, "overhead_pct": 100 * over / baseline,
+                     "limit_ms": limit, "pass": None if is_baseline else over < limit})
     return rows
 
 
@@ -178,14 +206,18 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=50, help="calls per variant per round")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--art-python", help="python of a venv with openpipe-art: adds ART's wrapper (F)")
     parser.add_argument("--model", default=TINY, help=f"served model: {TINY} (default: calls cost little, so the "
                         "overhead shows) or 'embedded' for SmolLM2-135M (calls as in real use)")
     args = parser.parse_args()
-    installed = importlib.util.find_spec("art") is not None
-    art = "ART: installed, not benchmarked" if installed else f"ART: not installed ({ART_REASON})"
+    art = (f"ART: art.langgraph from {args.art_python} (F: its overhead vs F0, measured in the same process)"
+           if args.art_python else "ART: not measured (pass --art-python, a venv with openpipe-art)")
     with backend_server(None if args.model == "embedded" else args.model) as (base_url, served):
         print(f"Server {base_url} ({served}); {args.rounds} rounds x {args.calls} calls", flush=True)
-        results = run_rounds(build_variants(base_url, served), args.calls, args.rounds)
+        variants = build_variants(base_url, served)
+        if args.art_python:
+            variants.update(art_variants(args.art_python, base_url, served))
+        results = run_rounds(variants, args.calls, args.rounds)
     micro = micro_us(base_url, served)
     rows = summarize(results)
     print_report(rows, micro, art, args.calls, args.rounds)

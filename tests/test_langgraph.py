@@ -135,6 +135,31 @@ async def test_streaming_and_astream_events_are_captured(tiny_llm: ChatART) -> N
     assert all(c.token_ids for c in evented.choices())
 
 
+async def test_drop_in_tokens_travel_with_the_reply(tiny_llm: ChatART, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ChatART's replies carry their exact tokens, so a capture makes no request of its own on exit;
+    they are the ones the backend recorded (fetched here explicitly to compare)."""
+    import art_integrations.capture as capture
+
+    def no_fetch(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the capture fetched tokens although the replies carried them")
+
+    monkeypatch.setattr(capture, "fetch_tokens", no_fetch)
+    async with art_capture() as trajectory:
+        message = await tiny_llm.ainvoke("Hello")
+        streamed = [chunk async for chunk in tiny_llm.astream("Hello again")]
+    assert len(streamed) > 1
+    choices = [choice for history in trajectory.histories() for choice in history.choices()]
+    assert [len(c.token_ids or []) for c in choices] == [40, 40]
+    assert all(len(c.token_logprobs or []) == 40 and c.prompt_token_ids for c in choices)
+
+    monkeypatch.undo()
+    ids = [message.id, sum(streamed[1:], streamed[0]).id]
+    records = capture._http.post(f"{tiny_llm.openai_api_base}/art/token_records", json={"ids": ids}).json()["records"]
+    for choice, record in zip(choices, (records[i] for i in ids)):
+        assert choice.token_ids == record["token_ids"] and choice.prompt_token_ids == record["prompt_token_ids"]
+        assert choice.token_logprobs == pytest.approx(record["logprobs"], abs=1e-5)
+
+
 class Forecast(BaseModel):
     city: str
     sunny: bool

@@ -8,7 +8,8 @@ For agents that keep their own `ChatOpenAI` pointed at an art-backend:
         agent.invoke(inputs, config={"callbacks": [ARTCallbackHandler()]})
 
 `return_token_ids` makes the backend keep each choice's exact tokens under the reply's message
-id; LangChain passes that id through, and the capture fetches the tokens on exit.
+id; LangChain passes that id through, and the capture fetches the tokens on exit. (`ChatART`
+also hands the tokens over in `generation_info`; then nothing is fetched.)
 
 The handler runs inline (`run_inline = True`), in the caller's context, so the capture is the
 caller's even under `ainvoke` and inside LangGraph's tasks. It keys its bookkeeping by
@@ -29,6 +30,7 @@ from langchain_core.messages import BaseMessage, convert_to_openai_messages
 from langchain_core.outputs import LLMResult
 
 from art_integrations.capture import CaptureScope, ModelCall, current_capture, record_call
+from art_integrations.trajectory import Choice
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,17 @@ def agent_of(metadata: dict[str, Any]) -> str:
     namespace = str(metadata.get("langgraph_checkpoint_ns") or metadata.get("checkpoint_ns") or "")
     names = [part.split(":", 1)[0] for part in namespace.split("|") if part]
     return "|".join(names[:-1])
+
+
+def choice_in(info: dict[str, Any], reply: dict[str, Any]) -> Choice | None:
+    """The exact tokens ChatART put in `generation_info`, if complete; None: fetch them on exit."""
+    prompt_ids, token_ids = info.get("prompt_token_ids"), info.get("token_ids")
+    logprobs = (info.get("logprobs") or {}).get("content")
+    if prompt_ids is None or token_ids is None or logprobs is None or len(logprobs) != len(token_ids):
+        return None
+    return Choice(message=reply, finish_reason=info.get("finish_reason"),
+                  logprobs={"content": [{"token": "", "logprob": lp["logprob"]} for lp in logprobs]},
+                  prompt_token_ids=prompt_ids, token_ids=token_ids)
 
 
 @dataclass
@@ -107,12 +120,13 @@ class ARTCallbackHandler(BaseCallbackHandler):
                     pending.scope.error("a completion-style LLM call cannot be recorded; use a chat model")
                     continue
                 record_id = message.id if message.id and message.id.startswith("chatcmpl-") else None
+                info = generation.generation_info or {}
+                reply = convert_to_openai_messages(message)
                 record_call(ModelCall(
-                    endpoint=pending.endpoint, record_id=record_id, messages=pending.messages,
-                    response=convert_to_openai_messages(message),
-                    finish_reason=(generation.generation_info or {}).get("finish_reason"), tools=pending.tools,
+                    endpoint=pending.endpoint, record_id=record_id, messages=pending.messages, response=reply,
+                    finish_reason=info.get("finish_reason"), tools=pending.tools,
                     agent=agent_of(pending.metadata), metadata=pending.metadata, started=pending.started,
-                    api_key=self.api_key), scope=pending.scope)
+                    api_key=self.api_key, choice=choice_in(info, reply)), scope=pending.scope)
 
     def on_llm_error(self, error: BaseException, *, run_id: UUID, parent_run_id: UUID | None = None,
                      **kwargs: Any) -> None:

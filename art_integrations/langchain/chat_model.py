@@ -1,9 +1,11 @@
 """`ChatART`: the drop-in LangChain chat model for a policy served by an art-backend.
 
 It is langchain-openai's `ChatOpenAI` (so tools, structured output, streaming, retries,
-batching and every callback behave exactly as users know them) with two things added: each
-request asks the backend to keep the reply's exact tokens (`return_token_ids`), and an
-`ARTCallbackHandler` is attached so calls inside `art_capture()` are recorded.
+batching and every callback behave exactly as users know them) with three things added: each
+request asks for the reply's exact tokens and logprobs (`return_token_ids`, `logprobs`), the
+tokens travel in each generation's `generation_info` (ChatOpenAI drops response fields it does
+not know), and an `ARTCallbackHandler` is attached so calls inside `art_capture()` are
+recorded. With the tokens in hand a capture needs no request of its own on exit.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from langchain_core.callbacks import BaseCallbackManager
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_openai import ChatOpenAI
 
 from art_integrations.backend import Backend
@@ -26,6 +29,7 @@ class ChatART(ChatOpenAI):
     def __init__(self, **kwargs: Any) -> None:
         kwargs["extra_body"] = {**(kwargs.get("extra_body") or {}), "return_token_ids": True}
         kwargs.setdefault("api_key", "unused")  # a local backend needs no key
+        kwargs.setdefault("logprobs", True)  # the sampling policy's logprobs, which training needs
         super().__init__(**kwargs)
         api_key = self.openai_api_key.get_secret_value() if self.openai_api_key else None
         handler = ARTCallbackHandler(base_url=self.openai_api_base, api_key=None if api_key == "unused" else api_key)
@@ -46,6 +50,28 @@ class ChatART(ChatOpenAI):
     @property
     def _llm_type(self) -> str:
         return "art-chat"
+
+    def _create_chat_result(self, response: Any, generation_info: dict[str, Any] | None = None) -> ChatResult:
+        result = super()._create_chat_result(response, generation_info)
+        body = response if isinstance(response, dict) else response.model_dump()
+        for generation, choice in zip(result.generations, body.get("choices") or []):
+            if choice.get("token_ids") is not None and body.get("prompt_token_ids") is not None:
+                generation.generation_info = {**(generation.generation_info or {}),
+                                              "prompt_token_ids": body["prompt_token_ids"],
+                                              "token_ids": choice["token_ids"]}
+        return result
+
+    def _convert_chunk_to_generation_chunk(self, chunk: dict[str, Any], default_chunk_class: type,
+                                           base_generation_info: dict[str, Any] | None) -> ChatGenerationChunk | None:
+        # Streamed ids arrive as deltas; LangChain concatenates list fields when it merges chunks.
+        generation = super()._convert_chunk_to_generation_chunk(chunk, default_chunk_class, base_generation_info)
+        choices = chunk.get("choices") or []
+        ids = {key: value for key, value in (("prompt_token_ids", chunk.get("prompt_token_ids")),
+                                             ("token_ids", choices[0].get("token_ids") if choices else None))
+               if value is not None}
+        if generation is not None and ids:
+            generation.generation_info = {**(generation.generation_info or {}), **ids}
+        return generation
 
     def with_structured_output(  # type: ignore[override]
         self,
