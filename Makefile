@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup run smoke test bench-serving bench-training clean
+.PHONY: setup browser run smoke test bench-serving bench-training clean
 
 $(BIN)/.installed: pyproject.toml backend/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -19,13 +19,21 @@ $(BIN)/.installed: pyproject.toml backend/pyproject.toml Makefile
 
 setup: $(BIN)/.installed
 
+# Debian's Chromium, for the trajectory viewer's browser test; where it cannot be installed
+# (no apt, not root) that one test is skipped and says why.
+browser:
+	@command -v chromium >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		{ apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && \
+		  apt-get install -y -q chromium >/dev/null; }; }; } || \
+		echo "chromium not installed: the viewer's browser test will be skipped"
+
 run: setup
 	$(BIN)/python -m examples.city_facts.train
 
 smoke: setup
 	$(BIN)/python examples/smoke.py
 
-test: setup
+test: setup browser
 	$(BIN)/python -m pytest
 
 bench-serving: setup

@@ -1,4 +1,4 @@
-"""`art-backend serve`: start the OpenAI-compatible backend."""
+"""`art-backend serve`: start the OpenAI-compatible backend; `art-backend view`: browse what it stored."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import ipaddress
 import logging
 from pathlib import Path
 from typing import Annotated, Optional
+from urllib.parse import quote
 
 import typer
 
@@ -29,6 +30,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def require_key_off_loopback(host: str, api_key: str | None, what: str) -> None:
+    if not is_loopback(host) and not api_key:
+        raise typer.BadParameter(
+            f"Binding {host} exposes the {what} beyond this machine: pass --api-key "
+            "(or set ART_BACKEND_API_KEY), or bind 127.0.0.1.", param_hint="--host")
+
+
 @app.command()
 def serve(
     host: Annotated[Optional[str], typer.Option(help="Address to bind. Default 127.0.0.1.")] = None,
@@ -50,10 +58,7 @@ def serve(
         "api_key": api_key, "cache_dir": cache_dir, "max_model_len": max_model_len,
         "art_dir": art_dir}.items() if v is not None}
     settings = BackendSettings(**overrides)
-    if not is_loopback(settings.host) and not settings.api_key:
-        raise typer.BadParameter(
-            f"Binding {settings.host} exposes the backend beyond this machine: pass --api-key "
-            "(or set ART_BACKEND_API_KEY), or bind 127.0.0.1.", param_hint="--host")
+    require_key_off_loopback(settings.host, settings.api_key, "backend")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import uvicorn
@@ -61,3 +66,59 @@ def serve(
     from art_backend.app import build_app
 
     uvicorn.run(build_app(settings), host=settings.host, port=settings.port, log_level="info")
+
+
+@app.command()
+def view(
+    art_dir: Annotated[Optional[Path], typer.Option(
+        help="The art dir the backend wrote (default .art). Env: ART_BACKEND_ART_DIR.")] = None,
+    project: Annotated[Optional[str], typer.Option(
+        help="Open this project's page (with --name: that model's).")] = None,
+    name: Annotated[Optional[str], typer.Option(help="Open this trained model's page (needs --project).")] = None,
+    model: Annotated[Optional[str], typer.Option(
+        help="The base model directory the backend served, for the token view's tokenizer "
+             "(default: found from the stored base model's name; the embedded and tiny models are known). "
+             "Env: ART_BACKEND_MODEL.")] = None,
+    cache_dir: Annotated[Optional[Path], typer.Option(
+        help="Converted-model cache. Env: ART_BACKEND_CACHE_DIR.")] = None,
+    # Explicit defaults, not ART_BACKEND_HOST/PORT: those configure `serve`, and the viewer runs beside it.
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port.")] = 8001,
+    api_key: Annotated[Optional[str], typer.Option(
+        help="Require the key on every page (mandatory off loopback): open the page once with ?key=KEY. "
+             "Env: ART_BACKEND_API_KEY.")] = None,
+) -> None:
+    """Serve a read-only web page over the stored trajectories: reward curves, steps, groups,
+    conversations and the trained tokens."""
+    overrides = {k: v for k, v in {"art_dir": art_dir, "model": model, "cache_dir": cache_dir,
+                                   "api_key": api_key}.items() if v is not None}
+    settings = BackendSettings(**overrides)
+    require_key_off_loopback(host, settings.api_key, "viewer")
+    from art_backend.viewer import Tokenizers, create_viewer_app
+    from art_backend.viewer.store import ArtStore, NotInStore
+
+    if not settings.art_dir.is_dir():
+        raise typer.BadParameter(f"{settings.art_dir.resolve()} does not exist: pass the --art-dir the backend "
+                                 "wrote to (`art-backend serve --art-dir`, `LocalBackend(art_dir=...)`).",
+                                 param_hint="--art-dir")
+    store = ArtStore(settings.art_dir)
+    if name is not None and project is None:
+        raise typer.BadParameter("--name needs --project: model names are per project.", param_hint="--name")
+    path = ""
+    try:
+        if project is not None:
+            store.model_names(project)
+            path = f"/{project}"
+        if name is not None and project is not None:
+            store.model(project, name)
+            path += f"/{name}"
+    except NotInStore as error:
+        raise typer.BadParameter(str(error), param_hint="--name" if error.what == "model" else "--project") from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    shown_host = f"[{host}]" if ":" in host else host
+    typer.echo(f"Viewing {settings.art_dir.resolve()} at http://{shown_host}:{port}{quote(path)}"
+               + ("?key=KEY" if settings.api_key else ""))
+    app = create_viewer_app(settings.art_dir, Tokenizers(settings.cache_dir, settings.model), settings.api_key)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
