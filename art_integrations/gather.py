@@ -18,11 +18,14 @@ import statistics
 import traceback
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
 from art_integrations.trajectory import Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from art_integrations.observability.langfuse import StepExport
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +77,12 @@ async def gather_trajectory_groups(
     after_each: AfterEach | None = None,
     progress: bool = True,
     desc: str = "gather",
+    langfuse: StepExport | None = None,
 ) -> GatheredGroups:
     """Run every rollout of every group (at most `max_concurrency` at once) and return the
     groups in order. `after_each(group)` runs as each group completes (e.g. RULER scoring); it
-    may change the group, return a replacement, or return None to drop it (logged)."""
+    may change the group, return a replacement, or return None to drop it (logged).
+    `langfuse=exporter.for_step(model, step)` sends each kept group, scored, to Langfuse."""
     specs = list(groups)
     total = sum(spec.n for spec in specs)
     budget = max_exceptions if isinstance(max_exceptions, int) else int(max_exceptions * total)
@@ -128,6 +133,8 @@ async def gather_trajectory_groups(
                 dropped.append({"group": index, "metadata": group.metadata, "reason": reason,
                                 "trajectories": len(group.trajectories)})
             results[index] = outcome
+        if langfuse is not None and results[index] is not None:
+            langfuse.export_group(results[index], index)
 
     tasks = [asyncio.ensure_future(run_group(i, spec)) for i, spec in enumerate(specs)]
     try:
@@ -141,8 +148,10 @@ async def gather_trajectory_groups(
         bar.close()
     kept = GatheredGroups(group for group in results if group is not None)
     kept.dropped = dropped
+    langfuse_report = await asyncio.to_thread(langfuse.flush) if langfuse is not None else None
     if progress:
         mean = f"{statistics.fmean(rewards):.3f}" if rewards else "n/a"
         print(f"{desc}: {len(kept)} groups ({len(dropped)} dropped), {len(rewards)} trajectories, "
-              f"{len(failures)} failed rollouts, reward mean {mean}, {tokens} completion tokens")
+              f"{len(failures)} failed rollouts, reward mean {mean}, {tokens} completion tokens"
+              + (f"; langfuse: {langfuse_report}" if langfuse_report is not None else ""))
     return kept

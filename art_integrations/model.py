@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import Any, Literal
 
 from openai import AsyncOpenAI
 from pydantic import BaseModel, Field, PrivateAttr
 
 from art_integrations.backend import Backend
+from art_integrations.observability.wandb import WandbReporter, reporter_for
 from art_integrations.training import LoraConfig, TrainConfig
 from art_integrations.trajectory import TrajectoryGroup
 
@@ -24,7 +26,10 @@ class TrainableModel(BaseModel):
     project: str
     base_model: str | None = None  # None: whatever the backend serves
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    # ["wandb"]: log each step's metrics to W&B; None: only if WANDB_API_KEY or WANDB_MODE is set
+    report_metrics: list[Literal["wandb"]] | None = None
     _backend: Backend | None = PrivateAttr(default=None)
+    _reporter: WandbReporter | None = PrivateAttr(default=None)
 
     async def register(self, backend: Backend) -> None:
         """Attach to `backend`; a model trained before resumes from its newest checkpoint."""
@@ -33,6 +38,16 @@ class TrainableModel(BaseModel):
             "lora": self.lora.model_dump()})
         self.base_model = answer["base_model"]
         self._backend = backend
+        self._reporter = self._reporter or reporter_for(self)
+
+    @property
+    def metrics_reporter(self) -> WandbReporter | None:
+        """Where `train` and `log` results go besides history.jsonl (its `errors`, `finish()`)."""
+        return self._reporter
+
+    async def _report(self, step: int, split: str, metrics: dict[str, Any]) -> None:
+        if self._reporter is not None:  # wandb calls block: keep them off the event loop
+            await asyncio.to_thread(self._reporter.log, step, split, metrics)
 
     @property
     def backend(self) -> Backend:
@@ -63,12 +78,16 @@ class TrainableModel(BaseModel):
         body = {"groups": [g.model_dump(mode="json") for g in groups],
                 "config": (config or TrainConfig()).model_dump(),
                 "dropped": [d["reason"] for d in getattr(groups, "dropped", [])]}
-        return TrainResult.model_validate(await self.backend.request("POST", self._path("train"), body))
+        result = TrainResult.model_validate(await self.backend.request("POST", self._path("train"), body))
+        await self._report(result.step, "train", result.metrics)
+        return result
 
     async def log(self, groups: list[TrajectoryGroup], split: str = "val") -> dict[str, Any]:
         """Record metrics and trajectories of `groups` at the current step without training."""
         body = {"groups": [g.model_dump(mode="json") for g in groups], "split": split}
-        return (await self.backend.request("POST", self._path("log"), body))["metrics"]
+        answer = await self.backend.request("POST", self._path("log"), body)
+        await self._report(answer["step"], split, answer["metrics"])
+        return answer["metrics"]
 
     async def history(self) -> list[dict[str, Any]]:
         return await self.backend.request("GET", self._path("history"))
