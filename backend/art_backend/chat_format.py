@@ -48,6 +48,11 @@ class ParsedOutput:
     parse_error: str | None
 
 
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Prompt text -> ids. The template already wrote any BOS; letting the tokenizer add one would double it."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 def new_tool_call_id() -> str:
     return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
@@ -146,9 +151,7 @@ class ChatFormatter:
         tools: list[dict] | None = None,
         tool_choice: str | dict | None = None,
     ) -> list[int]:
-        text = self.render(messages, tools, tool_choice)
-        # The template already wrote any BOS; letting the tokenizer add one would double it.
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        return encode_prompt(self._tokenizer, self.render(messages, tools, tool_choice))
 
     @staticmethod
     def required_tools(tools: list[dict] | None, tool_choice: str | dict | None) -> list[dict] | None:

@@ -2,7 +2,8 @@
 
 Routes: GET /health, GET /v1/models, POST /v1/chat/completions. With `return_token_ids`
 (as vLLM) responses carry `prompt_token_ids` and each choice's `token_ids`, so clients can
-train on exactly the tokens the policy saw and produced.
+train on exactly the tokens the policy saw and produced; a prompt that replays an earlier
+turn keeps that turn's exact ids (`continuation.py`), so multi-turn rollouts stay one sequence.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from art_backend.chat_format import ChatFormatError, ChatFormatter, ParsedOutput, ToolCallStreamFilter
+from art_backend.continuation import TokenContinuations
 from art_backend.engine.base import (
     ContextLengthError,
     Engine,
@@ -86,6 +88,7 @@ class ChatService:
         self.engine = engine
         self.formatter = ChatFormatter(engine.tokenizer)
         self.records = TokenRecords()
+        self.continuations = TokenContinuations(engine.tokenizer)
         self._token_text = lru_cache(maxsize=65536)(self._decode_one)
 
     def _decode_one(self, token_id: int) -> str:
@@ -97,7 +100,8 @@ class ChatService:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         tool_choice = body.tool_choice_value()
-        prompt_ids = self.formatter.render_ids(messages, tools, tool_choice)
+        # A prompt that replays an earlier turn keeps that turn's exact ids (see continuation.py).
+        prompt_ids = self.continuations.tokenize(self.formatter.render(messages, tools, tool_choice))
         grammar = self._grammar(body, tools, tool_choice)
         used = len(prompt_ids)
         room = self.engine.max_model_len - used
@@ -129,6 +133,11 @@ class ChatService:
         if body.response_format is not None:
             return json_grammar(body.response_format.model_dump(by_alias=True))
         return None
+
+    def _finished(self, prompt_ids: list[int], choice: _Choice) -> None:
+        """A complete choice (not an aborted one) can be continued by the next turn's prompt."""
+        if choice.finish_reason in ("stop", "length"):
+            self.continuations.remember(prompt_ids, choice.token_ids)
 
     # ----- response pieces --------------------------------------------------------------
 
@@ -165,6 +174,7 @@ class ChatService:
         out_choices = []
         response_id = completion_id()
         for choice in choices:
+            self._finished(generation.prompt_ids, choice)
             parsed = self.formatter.parse(choice.text) if prepared.parse_tools else None
             message: dict[str, Any] = {"role": "assistant", "content": choice.text}
             entry: dict[str, Any] = {"index": choice.index, "message": message}
@@ -214,12 +224,14 @@ class ChatService:
                 completion_tokens += len(delta.token_ids)
                 choice_id = f"{base['id']}-{delta.index}" if body.return_token_ids else None
                 yield chunk([self._stream_choice(body, delta, filters[delta.index], choice_id)])
-                if body.return_token_ids:
-                    choices[delta.index].token_ids += delta.token_ids
-                    choices[delta.index].logprobs += delta.logprobs
+                choice = choices[delta.index]
+                choice.token_ids += delta.token_ids
+                choice.logprobs += delta.logprobs
                 if delta.finish_reason is not None:
+                    choice.finish_reason = delta.finish_reason
+                    self._finished(generation.prompt_ids, choice)
                     if choice_id is not None:
-                        self.records.add(choice_id, body.model, generation.prompt_ids, choices[delta.index])
+                        self.records.add(choice_id, body.model, generation.prompt_ids, choice)
                     yield chunk([self._stream_finish(delta, filters[delta.index], choice_id)])
         except Exception as error:  # headers are sent: report in-band, as vLLM does
             logger.exception("Generation failed mid-stream")

@@ -1,0 +1,111 @@
+"""Token-in continuation: a chat prompt that replays an earlier turn reuses that turn's exact ids.
+
+Why: the server renders messages to text and tokenizes the text. A model's reply is often not
+the canonical tokenization of its own text (a grammar-forced tool call spells `get_time` as
+`t` + `ime`; a sampled reply picks any split), so re-tokenizing the next turn's prompt would
+not extend the previous prompt + completion ids. The trainer (`training/tokenize.py`) would
+then count a prefix break and start a new sequence, re-adding the whole earlier prompt as
+untrained context, and the engine's KV prefix store would miss. vLLM users get the same
+continuity by sending token ids back ("token-in"); here the OpenAI API stays unchanged.
+
+How: every finished choice is remembered as the text and ids of its prompt + completion (its
+end-of-turn token included, so the template's `<|im_end|>` after an assistant turn is part of the
+match and only what follows it, e.g. `\\n<|im_start|>user`, is tokenized anew). A new prompt
+whose text starts with a remembered turn's text keeps that turn's ids for that part (the longest
+such turn wins) and tokenizes only the rest. The ids are checked by decoding: a prompt that would
+not decode to exactly the rendered text falls back to plain tokenization, so continuation can
+change how a prompt is split, never what it says. Turns are the same for every adapter of one
+base model (one tokenizer), so the model name plays no part.
+
+Used by `server.ChatService`: `tokenize` where it builds a request's prompt ids, `remember`
+when a choice finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from art_backend.chat_format import encode_prompt
+
+logger = logging.getLogger(__name__)
+
+# Ids are kept as 4-byte ints and text as a str (about 4 bytes per token for ASCII-ish text):
+# some 16 MiB for the default budget, room for hundreds of multi-turn conversations in flight.
+DEFAULT_MAX_TOKENS = 2**21
+
+
+class TokenContinuations:
+    """Recent turns (prompt + completion) by their text, for prompts that continue them.
+
+    Bounded by the number of token ids held (least recently used turns go first); safe to call
+    from several threads.
+    """
+
+    def __init__(self, tokenizer: Any, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+        self._tokenizer = tokenizer
+        self.max_tokens = max_tokens
+        self._turns: OrderedDict[str, array[int]] = OrderedDict()  # text -> the ids it was made of
+        self._tokens = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._turns)
+
+    @property
+    def tokens_held(self) -> int:
+        return self._tokens
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Exactly the text `ids` stand for: special tokens kept, no clean-up of spaces."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def remember(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> None:
+        """Keep a finished choice, so a prompt that replays it continues its exact ids."""
+        ids = array("i", prompt_ids)
+        ids.extend(completion_ids)
+        if not completion_ids or len(ids) > self.max_tokens:
+            return
+        text = self.decode(ids)  # outside the lock: the costly part
+        with self._lock:
+            # Same text, other ids (two samples that split one reply differently): keep the latest.
+            previous = self._turns.pop(text, None)
+            self._tokens -= len(previous) if previous is not None else 0
+            self._turns[text] = ids
+            self._tokens += len(ids)
+            while self._tokens > self.max_tokens:
+                _, evicted = self._turns.popitem(last=False)
+                self._tokens -= len(evicted)
+
+    def tokenize(self, text: str) -> list[int]:
+        """`text`'s prompt ids: a remembered turn's exact ids for the longest part of `text` that
+        replays one, then the plain tokenization of the rest; all of it plain if none matches or
+        the result would not decode to `text`."""
+        match = self._longest_turn_in(text)
+        if match is None:
+            return encode_prompt(self._tokenizer, text)
+        turn_text, turn_ids = match
+        ids = turn_ids.tolist() + encode_prompt(self._tokenizer, text[len(turn_text):])
+        if self.decode(ids) != text:
+            logger.warning("A continued prompt did not decode to the rendered text; tokenizing it plainly")
+            return encode_prompt(self._tokenizer, text)
+        return ids
+
+    def _longest_turn_in(self, text: str) -> tuple[str, array[int]] | None:
+        with self._lock:
+            best: str | None = None
+            for turn_text in self._turns:
+                end = len(turn_text)
+                # A plain scan. Turns of one conversation or group share their start (the system
+                # prompt) and differ near their end, so the end is compared first.
+                if (len(best or "") < end <= len(text) and text.endswith(turn_text[-16:], 0, end)
+                        and text.startswith(turn_text)):
+                    best = turn_text
+            if best is None:
+                return None
+            self._turns.move_to_end(best)
+            return best, self._turns[best]
