@@ -170,7 +170,8 @@ def step_line(example: Example, step: int, steps: int, metrics: dict[str, Any], 
     parts = "".join(f", {name} {number(f'metrics/{name}', 2)}" for name in example.metrics)
     dropped = f" ({metrics['groups/dropped']} dropped)" if metrics.get("groups/dropped") else ""
     return (f"step {step}/{steps}: reward mean {number('reward/mean')} std {number('reward/std')}{parts}, "
-            f"{number('seconds', 0)} s train, groups trained {metrics.get('groups/trained', 0)}/{groups}{dropped}")
+            f"{number('seconds', 0)} s train on {metrics.get('sequences', 0)} sequences, "
+            f"groups trained {metrics.get('groups/trained', 0)}/{groups}{dropped}")
 
 
 async def train(example: Example, args: argparse.Namespace) -> None:

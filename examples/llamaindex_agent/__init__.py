@@ -1,0 +1,1 @@
+"""A LlamaIndex FunctionAgent that converts units with tools, trained with GRPO."""

@@ -1,0 +1,99 @@
+"""A supervisor and its sub-agent, written as a LangGraph user writes them.
+
+The shop's assistant (the supervisor) does not see the catalogue: it has one tool,
+`ask_researcher`, that runs a research sub-agent, a compiled graph with its own model node and
+catalogue tools, and returns the sub-agent's report. The sub-agent runs inside the supervisor's
+`research` tool node, so LangGraph runs it as a subgraph (its own checkpoint namespace), and
+`art_capture()` records its model calls as a separate conversation: an additional history of
+the rollout's trajectory, trained along with the supervisor's.
+
+The only ART-specific line is the chat model passed in: `ChatART.from_model(model)` instead of
+`ChatOpenAI(...)`. Both agents must act before they talk, so each one's first turn requires a
+tool call (`tool_choice="required"`); afterwards it answers in words.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from langchain_core.messages import SystemMessage
+from langchain_core.tools import tool
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode, tools_condition
+
+from examples.supervisor.task import PRODUCTS, fact
+
+SUPERVISOR_PROMPT = ("You are the shop's assistant. Pass the customer's question to the researcher, then answer the "
+                     "customer in one sentence.")
+RESEARCHER_PROMPT = "You look products up in the shop's catalogue with a tool, then report the fact in one sentence."
+RESEARCH_NODE = "research"  # the supervisor's tool node; the sub-agent's calls are captured under this name
+
+# The catalogue's product names as an enum: the backend's grammar then spells them exactly.
+Product = Literal[PRODUCTS]  # type: ignore[valid-type]
+
+
+@tool
+def get_price(product: Product) -> str:
+    """Price of a product in the shop's catalogue."""
+    return fact("get_price", product)
+
+
+@tool
+def get_stock(product: Product) -> str:
+    """How many units of a product are in stock."""
+    return fact("get_stock", product)
+
+
+@tool
+def get_delivery_days(product: Product) -> str:
+    """How many days delivery of a product takes."""
+    return fact("get_delivery_days", product)
+
+
+CATALOGUE_TOOLS = [get_price, get_stock, get_delivery_days]
+
+
+def build_research_agent(llm: Any) -> Any:
+    """The sub-agent: looks the fact up with a catalogue tool, then reports it."""
+    must_look_up = llm.bind_tools(CATALOGUE_TOOLS, tool_choice="required", parallel_tool_calls=False)
+    report = llm.bind_tools(CATALOGUE_TOOLS, tool_choice="none")
+
+    async def researcher(state: MessagesState) -> dict[str, Any]:
+        looked_up = any(m.type == "tool" for m in state["messages"])
+        model = report if looked_up else must_look_up
+        return {"messages": [await model.ainvoke([SystemMessage(RESEARCHER_PROMPT), *state["messages"]])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("researcher", researcher)
+    graph.add_node("catalogue", ToolNode(CATALOGUE_TOOLS))
+    graph.add_edge(START, "researcher")
+    graph.add_conditional_edges("researcher", tools_condition, {"tools": "catalogue", END: END})
+    graph.add_edge("catalogue", "researcher")
+    return graph.compile(name="research_agent")
+
+
+def build_supervisor(llm: Any) -> Any:
+    """The supervisor: delegates the lookup to the research sub-agent, then answers the customer."""
+    research_agent = build_research_agent(llm)
+
+    @tool
+    async def ask_researcher(question: str) -> str:
+        """Ask the research assistant to look a product up in the shop's catalogue (price, stock or delivery)."""
+        result = await research_agent.ainvoke({"messages": [("user", question)]})
+        return result["messages"][-1].content
+
+    must_delegate = llm.bind_tools([ask_researcher], tool_choice="required", parallel_tool_calls=False)
+    answer = llm.bind_tools([ask_researcher], tool_choice="none")
+
+    async def supervisor(state: MessagesState) -> dict[str, Any]:
+        researched = any(m.type == "tool" for m in state["messages"])
+        model = answer if researched else must_delegate
+        return {"messages": [await model.ainvoke([SystemMessage(SUPERVISOR_PROMPT), *state["messages"]])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("supervisor", supervisor)
+    graph.add_node(RESEARCH_NODE, ToolNode([ask_researcher]))
+    graph.add_edge(START, "supervisor")
+    graph.add_conditional_edges("supervisor", tools_condition, {"tools": RESEARCH_NODE, END: END})
+    graph.add_edge(RESEARCH_NODE, "supervisor")
+    return graph.compile()
