@@ -333,16 +333,22 @@ def test_the_token_view_needs_the_base_models_tokenizer(stored_run: StoredRun, c
     assert empty.status_code == 200 and "No trained models under" in empty.text
 
 
+def error_text(output: str) -> str:
+    """The words of an error typer drew in a box, wrapped at any terminal width."""
+    return " ".join(re.sub(r"[│╭╮╰╯─]", " ", output).split())
+
+
 def test_the_command_refuses_unsafe_or_unknown_settings(stored_run: StoredRun, tmp_path: Path) -> None:
     runner = CliRunner()
     exposed = runner.invoke(cli_app, ["view", "--art-dir", str(stored_run.art_dir), "--host", "0.0.0.0"],
                             env={"ART_BACKEND_API_KEY": None})
-    assert exposed.exit_code == 2 and "--api-key" in exposed.output
+    assert exposed.exit_code == 2 and "--api-key" in error_text(exposed.output)
     unknown = runner.invoke(cli_app, ["view", "--art-dir", str(stored_run.art_dir), "--project", "demo",
                                       "--name", "nope"])
-    assert unknown.exit_code == 2 and "Stored: agent" in unknown.output
-    missing = runner.invoke(cli_app, ["view", "--art-dir", str(tmp_path / "absent")])
-    assert missing.exit_code == 2 and "does not exist" in missing.output
+    assert unknown.exit_code == 2 and "Stored: agent" in error_text(unknown.output)
+    absent = tmp_path / ("absent-" + "x" * 90)  # long enough that the box wraps it
+    missing = runner.invoke(cli_app, ["view", "--art-dir", str(absent)])
+    assert missing.exit_code == 2 and "does not exist" in error_text(missing.output)
 
 
 @pytest.fixture(scope="module")
