@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,7 @@ def test_training_and_held_out_questions_come_from_different_inboxes() -> None:
 
 
 def test_the_database_holds_every_inbox_with_a_full_text_index() -> None:
-    with sqlite3.connect(database()) as db:
+    with closing(sqlite3.connect(database())) as db:
         emails = db.execute("SELECT count(*) FROM emails").fetchone()[0]
         indexed = db.execute("SELECT count(*) FROM emails_fts").fetchone()[0]
     assert emails == indexed == 16 * (len(inbox_names("train")) + len(inbox_names("val")))

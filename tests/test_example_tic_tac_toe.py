@@ -10,15 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from art_backend.training.tokenize import TokenizeStats, tokenize_trajectory
 from langchain_core.language_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
 
-from art_backend.training.tokenize import TokenizeStats, tokenize_trajectory
 from examples.runner import Policy
 from examples.tic_tac_toe.agent import play
 from examples.tic_tac_toe.game import (
     EMPTY_BOARD,
-    IllegalMove,
+    IllegalMoveError,
     empty_squares,
     is_over,
     opponent_move,
@@ -51,9 +51,9 @@ def test_moves_go_on_empty_squares_only() -> None:
     board = place(EMPTY_BOARD, 5, "X")
     assert board == "....X...."
     assert place(board, 1, "O") == "O...X...."
-    with pytest.raises(IllegalMove, match="square 5 is already taken by X"):
+    with pytest.raises(IllegalMoveError, match="square 5 is already taken by X"):
         place(board, 5, "O")
-    with pytest.raises(IllegalMove, match="not on the board"):
+    with pytest.raises(IllegalMoveError, match="not on the board"):
         place(board, 10, "O")
     assert empty_squares("XO.X.O..X") == [3, 5, 7, 8]
 

@@ -2,14 +2,18 @@
 
 The shop's assistant (the supervisor) does not see the catalogue: it has one tool,
 `ask_researcher`, that runs a research sub-agent, a compiled graph with its own model node and
-catalogue tools, and returns the sub-agent's report. The sub-agent runs inside the supervisor's
-`research` tool node, so LangGraph runs it as a subgraph (its own checkpoint namespace), and
-`art_capture()` records its model calls as a separate conversation: an additional history of
-the rollout's trajectory, trained along with the supervisor's.
+catalogue tools, and returns what the sub-agent found. The sub-agent runs inside the
+supervisor's `research` tool node, so LangGraph runs it as a subgraph (its own checkpoint
+namespace), and `art_capture()` records its model calls as a separate conversation: an
+additional history of the rollout's trajectory, trained along with the supervisor's.
+
+The sub-agent's job is to pick the right lookup; the catalogue's answer is its report, returned
+as is (a tool's `return_direct`). A 135M model asked to re-word the fact first mostly garbles
+the number before the supervisor sees it, so neither agent would be rewarded for it.
 
 The only ART-specific line is the chat model passed in: `ChatART.from_model(model)` instead of
 `ChatOpenAI(...)`. Both agents must act before they talk, so each one's first turn requires a
-tool call (`tool_choice="required"`); afterwards it answers in words.
+tool call (`tool_choice="required"`); afterwards the supervisor answers in words.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from examples.supervisor.task import PRODUCTS, fact
 
 SUPERVISOR_PROMPT = ("You are the shop's assistant. Pass the customer's question to the researcher, then answer the "
                      "customer in one sentence.")
-RESEARCHER_PROMPT = "You look products up in the shop's catalogue with a tool, then report the fact in one sentence."
+RESEARCHER_PROMPT = "You look products up in the shop's catalogue with the tool that answers the question."
 RESEARCH_NODE = "research"  # the supervisor's tool node; the sub-agent's calls are captured under this name
 
 # The catalogue's product names as an enum: the backend's grammar then spells them exactly.
@@ -54,21 +58,18 @@ CATALOGUE_TOOLS = [get_price, get_stock, get_delivery_days]
 
 
 def build_research_agent(llm: Any) -> Any:
-    """The sub-agent: looks the fact up with a catalogue tool, then reports it."""
-    must_look_up = llm.bind_tools(CATALOGUE_TOOLS, tool_choice="required", parallel_tool_calls=False)
-    report = llm.bind_tools(CATALOGUE_TOOLS, tool_choice="none")
+    """The sub-agent: looks the fact up with a catalogue tool; the tool's answer ends the run."""
+    look_up = llm.bind_tools(CATALOGUE_TOOLS, tool_choice="required", parallel_tool_calls=False)
 
     async def researcher(state: MessagesState) -> dict[str, Any]:
-        looked_up = any(m.type == "tool" for m in state["messages"])
-        model = report if looked_up else must_look_up
-        return {"messages": [await model.ainvoke([SystemMessage(RESEARCHER_PROMPT), *state["messages"]])]}
+        return {"messages": [await look_up.ainvoke([SystemMessage(RESEARCHER_PROMPT), *state["messages"]])]}
 
     graph = StateGraph(MessagesState)
     graph.add_node("researcher", researcher)
     graph.add_node("catalogue", ToolNode(CATALOGUE_TOOLS))
     graph.add_edge(START, "researcher")
     graph.add_conditional_edges("researcher", tools_condition, {"tools": "catalogue", END: END})
-    graph.add_edge("catalogue", "researcher")
+    graph.add_edge("catalogue", END)  # the catalogue's answer is the report
     return graph.compile(name="research_agent")
 
 
@@ -80,7 +81,7 @@ def build_supervisor(llm: Any) -> Any:
     async def ask_researcher(question: str) -> str:
         """Ask the research assistant to look a product up in the shop's catalogue (price, stock or delivery)."""
         result = await research_agent.ainvoke({"messages": [("user", question)]})
-        return result["messages"][-1].content
+        return result["messages"][-1].content  # what the catalogue answered
 
     must_delegate = llm.bind_tools([ask_researcher], tool_choice="required", parallel_tool_calls=False)
     answer = llm.bind_tools([ask_researcher], tool_choice="none")

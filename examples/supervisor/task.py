@@ -3,7 +3,7 @@
 Each scenario is a customer's question about one product of the shop's catalogue: its price,
 how many are in stock, or how soon it ships. The assistant (the supervisor) must hand the
 lookup to its research sub-agent, naming the product; the sub-agent looks the fact up with the
-matching catalogue tool and reports back; the assistant answers the customer with the number.
+matching catalogue tool, whose answer goes back; the assistant answers the customer with the number.
 Both agents' turns are trained, so the reward credits each one's part.
 """
 

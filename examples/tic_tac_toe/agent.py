@@ -18,7 +18,7 @@ from langchain_core.messages import AIMessage, SystemMessage, ToolMessage
 from langgraph.graph import END, START, MessagesState, StateGraph
 from pydantic import BaseModel, Field
 
-from examples.tic_tac_toe.game import IllegalMove, Outcome, is_over, place, render, winner
+from examples.tic_tac_toe.game import IllegalMoveError, Outcome, is_over, place, render, winner
 
 SYSTEM_PROMPT = ("You play tic-tac-toe as X against O. Three X in a row (across, down or diagonal) wins. "
                  "The board shows each empty square's number. On your turn call make_move with the number "
@@ -60,7 +60,7 @@ def build_game(llm: Any, opponent: Callable[[str], int]) -> Any:
 
         try:
             board = place(state["board"], int(call["args"]["square"]), "X")
-        except (IllegalMove, KeyError, TypeError, ValueError) as error:
+        except (IllegalMoveError, KeyError, TypeError, ValueError) as error:
             # The game ends here: the illegal move is the trajectory's last turn, so its low
             # reward lands on the move that caused it (a retry would blur that).
             return answer(f"Illegal move: {error}. You lose.", outcome="illegal")

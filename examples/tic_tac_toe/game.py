@@ -21,7 +21,7 @@ EMPTY_BOARD = "." * 9
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
 
 
-class IllegalMove(ValueError):
+class IllegalMoveError(ValueError):
     pass
 
 
@@ -30,11 +30,11 @@ def empty_squares(board: str) -> list[int]:
 
 
 def place(board: str, square: int, mark: str) -> str:
-    """The board after `mark` goes on `square` (1-9); IllegalMove if it is off the board or taken."""
+    """The board after `mark` goes on `square` (1-9); IllegalMoveError if it is off the board or taken."""
     if not 1 <= square <= 9:
-        raise IllegalMove(f"square {square} is not on the board (1-9)")
+        raise IllegalMoveError(f"square {square} is not on the board (1-9)")
     if board[square - 1] != ".":
-        raise IllegalMove(f"square {square} is already taken by {board[square - 1]}")
+        raise IllegalMoveError(f"square {square} is already taken by {board[square - 1]}")
     return board[:square - 1] + mark + board[square:]
 
 

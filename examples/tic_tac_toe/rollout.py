@@ -30,5 +30,5 @@ EXAMPLE = Example(
     scenarios=lambda split, count, seed: scenarios(split, count, seed=seed),
     rollout=rollout,
     metrics=("win", "draw", "loss", "illegal_move", "legal_moves", "turns"),
-    max_tokens=40,
+    max_tokens=40,  # a make_move call is 29 tokens
 )
