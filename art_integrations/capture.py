@@ -3,8 +3,9 @@
 Integrations (the LangChain callback handler, the LlamaIndex handler, the drop-in models)
 report each finished call with `record_call()`. The call goes to the innermost capture open
 in the caller's context (a `ContextVar`, so concurrent asyncio tasks and LangChain's executor
-threads each see their own). On exit the calls' exact tokens are fetched from the backend in
-one request and the calls become the trajectory's conversations:
+threads each see their own). On exit the calls become the trajectory's conversations; the
+exact tokens of replies that did not bring them along (the callback-handler path) are then
+fetched from the backend in one request, or under `gather_trajectory_groups` once per group:
 
 - calls are grouped by agent (LangGraph's checkpoint namespace: the root graph is the main
   agent, each subgraph a sub-agent);
@@ -21,6 +22,8 @@ import logging
 import threading
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +56,7 @@ class CaptureScope:
     def __init__(self, trajectory: Trajectory) -> None:
         self.trajectory = trajectory
         self.calls: list[ModelCall] = []
+        self.placeholders: list[tuple[list[Any], int, ModelCall]] = []  # replies waiting for their tokens
         self._lock = threading.Lock()  # calls may arrive from executor threads
 
     def add(self, call: ModelCall) -> None:
@@ -96,17 +100,16 @@ def _requests(calls: list[ModelCall]) -> dict[tuple[str, str | None], list[Model
     return by_endpoint
 
 
-def _apply_records(scope: CaptureScope, calls: list[ModelCall], records: dict[str, Any]) -> None:
-    for call in calls:
-        record = records.get(call.record_id or "")
-        if record is None:
-            scope.error(f"the backend has no tokens for call {call.record_id} (evicted, or another server); "
-                        "the turn is kept as a message and not trained on")
-            continue
-        call.choice = Choice(
-            message=call.response, finish_reason=call.finish_reason,
-            logprobs={"content": [{"token": "", "logprob": lp} for lp in record["logprobs"]]},
-            prompt_token_ids=record["prompt_token_ids"], token_ids=record["token_ids"])
+def _apply_record(scope: CaptureScope, call: ModelCall, records: dict[str, Any]) -> None:
+    record = records.get(call.record_id or "")
+    if record is None:
+        scope.error(f"the backend has no tokens for call {call.record_id} (evicted, or another server); "
+                    "the turn is kept as a message and not trained on")
+        return
+    call.choice = Choice(
+        message=call.response, finish_reason=call.finish_reason,
+        logprobs={"content": [{"token": "", "logprob": lp} for lp in record["logprobs"]]},
+        prompt_token_ids=record["prompt_token_ids"], token_ids=record["token_ids"])
 
 
 def _missing_ids(scope: CaptureScope) -> None:
@@ -123,18 +126,45 @@ def _headers(api_key: str | None) -> dict[str, str]:
 _http = httpx.Client(timeout=60)  # shared: building a client per capture costs ~20 ms
 
 
-def fetch_tokens(scope: CaptureScope) -> None:
-    """Fetch the exact tokens of the scope's calls: one request per backend."""
-    _missing_ids(scope)
-    for (endpoint, api_key), calls in _requests(scope.calls).items():
+def fetch_tokens(scopes: list[CaptureScope]) -> None:
+    """Fetch the exact tokens of the scopes' calls, one request per backend however many scopes,
+    and put each in place of its assembled reply."""
+    owner = {id(call): scope for scope in scopes for call in scope.calls}
+    for scope in scopes:
+        _missing_ids(scope)
+    for (endpoint, api_key), calls in _requests([call for scope in scopes for call in scope.calls]).items():
         try:
             response = _http.post(f"{endpoint}/art/token_records", json={"ids": [c.record_id for c in calls]},
                                   headers=_headers(api_key))
             response.raise_for_status()
         except httpx.HTTPError as error:
-            scope.error(f"fetching tokens from {endpoint} failed: {error!r}")
+            for scope in {id(owner[id(c)]): owner[id(c)] for c in calls}.values():
+                scope.error(f"fetching tokens from {endpoint} failed: {error!r}")
             continue
-        _apply_records(scope, calls, response.json()["records"])
+        records = response.json()["records"]
+        for call in calls:
+            _apply_record(owner[id(call)], call, records)
+    for scope in scopes:
+        for items, index, call in scope.placeholders:
+            if call.choice is not None:
+                items[index] = call.choice
+        scope.placeholders = [p for p in scope.placeholders if p[2].choice is None]
+
+
+_deferred: ContextVar[list[CaptureScope] | None] = ContextVar("art_capture_deferred", default=None)
+
+
+@contextmanager
+def deferred_token_fetch(pending: list[CaptureScope]) -> Iterator[None]:
+    """Captures that exit inside leave their token fetch to the caller, who later calls
+    `fetch_tokens(pending)` once for all of them: `gather_trajectory_groups` fetches once per
+    group, not once per rollout. Until then each reply is a plain assistant message (what
+    rewards read); the fetch puts its exact tokens in its place."""
+    token = _deferred.set(pending)
+    try:
+        yield
+    finally:
+        _deferred.reset(token)
 
 
 # ----- assembling histories ----------------------------------------------------------------
@@ -170,14 +200,18 @@ def _conversations(calls: list[ModelCall]) -> list[list[ModelCall]]:
     return conversations
 
 
-def _history(conversation: list[ModelCall]) -> History:
+def _history(conversation: list[ModelCall]) -> tuple[History, list[tuple[int, ModelCall]]]:
+    """The conversation as a history, and where the replies still waiting for tokens sit."""
     items: list[Any] = []
+    waiting: list[tuple[int, ModelCall]] = []
     seen = 0
     for call in conversation:
         items += call.messages[seen:]
+        if call.choice is None:
+            waiting.append((len(items), call))
         items.append(call.choice if call.choice is not None else call.response)
         seen = len(call.messages) + 1  # its messages and the reply it produced
-    return History(messages_and_choices=items, tools=conversation[0].tools)
+    return History(messages_and_choices=items, tools=conversation[0].tools), waiting
 
 
 def assemble(scope: CaptureScope) -> None:
@@ -191,13 +225,19 @@ def assemble(scope: CaptureScope) -> None:
         agents.setdefault(call.agent, []).append(call)
     main_agent = "" if "" in agents else calls[0].agent
     ordered = [main_agent, *(a for a in agents if a != main_agent)]
-    histories = [(agent, _history(c)) for agent in ordered for c in _conversations(agents[agent])]
-    main = histories[0][1]
+    built = [(agent, *_history(c)) for agent in ordered for c in _conversations(agents[agent])]
+    (_, main, main_waiting), others = built[0], built[1:]
+    offset = len(trajectory.messages_and_choices)
     trajectory.messages_and_choices += main.messages_and_choices
     trajectory.tools = trajectory.tools or main.tools
-    trajectory.additional_histories += [h for _, h in histories[1:]]
-    if len(histories) > 1:
-        trajectory.metadata.setdefault("additional_history_agents", []).extend(a or "main" for a, _ in histories[1:])
+    trajectory.additional_histories += [history for _, history, _ in others]
+    # where each reply waiting for its tokens sits, in the lists the trajectory now holds
+    scope.placeholders += [(trajectory.messages_and_choices, offset + i, call) for i, call in main_waiting]
+    for held, (_, _, waiting) in zip(trajectory.additional_histories[len(trajectory.additional_histories) - len(others):],
+                                     others):
+        scope.placeholders += [(held.messages_and_choices, i, call) for i, call in waiting]
+    if others:
+        trajectory.metadata.setdefault("additional_history_agents", []).extend(a or "main" for a, _, _ in others)
     nodes = sorted({str(c.metadata["langgraph_node"]) for c in calls if c.metadata.get("langgraph_node")})
     if nodes:
         trajectory.metadata["langgraph_nodes"] = nodes
@@ -227,18 +267,18 @@ class art_capture:  # noqa: N801 - used like a function: `with art_capture() as 
 
     def __exit__(self, *exc: object) -> None:
         self._close()
-        if any(call.choice is None for call in self.scope.calls):
-            fetch_tokens(self.scope)
         self._finish()
+        if self._needs_fetch():
+            fetch_tokens([self.scope])
 
     async def __aenter__(self) -> Trajectory:
         return self.__enter__()
 
     async def __aexit__(self, *exc: object) -> None:
         self._close()
-        if any(call.choice is None for call in self.scope.calls):
-            await asyncio.to_thread(fetch_tokens, self.scope)
         self._finish()
+        if self._needs_fetch():
+            await asyncio.to_thread(fetch_tokens, [self.scope])
 
     def _close(self) -> None:
         if self._token is not None:
@@ -250,3 +290,14 @@ class art_capture:  # noqa: N801 - used like a function: `with art_capture() as 
             assemble(self.scope)
         except Exception:  # a bug here must not eat the rollout: keep it visible on the trajectory
             self.scope.error("assembling the trajectory failed:\n" + traceback.format_exc())
+
+    def _needs_fetch(self) -> bool:
+        """Whether a call's tokens must still be fetched now: False when none is missing, or
+        when a `deferred_token_fetch` around the capture takes the scope to fetch later."""
+        if all(call.choice is not None for call in self.scope.calls):
+            return False
+        pending = _deferred.get()
+        if pending is None:
+            return True
+        pending.append(self.scope)
+        return False

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from art_integrations.capture import CaptureScope, deferred_token_fetch, fetch_tokens
 from art_integrations.trajectory import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -93,12 +94,17 @@ async def gather_trajectory_groups(
     bar = tqdm(total=total, desc=desc, disable=not progress, unit="rollout")
     rewards: list[float] = []
     tokens = 0
+    pending: list[list[CaptureScope]] = [[] for _ in specs]  # captures whose tokens are fetched per group
+
+    def show_progress() -> None:
+        if rewards:
+            bar.set_postfix(reward=f"{statistics.fmean(rewards):.3f}", tokens=tokens, errors=len(failures))
 
     async def run(index: int, spec: RolloutGroup) -> None:
-        nonlocal tokens
         async with limit:
             try:
-                trajectory = await spec.rollout()
+                with deferred_token_fetch(pending[index]):
+                    trajectory = await spec.rollout()
             except asyncio.CancelledError:
                 raise
             except Exception as error:
@@ -114,15 +120,18 @@ async def gather_trajectory_groups(
                     raise TypeError(f"a rollout returned {type(trajectory).__name__}, not a Trajectory")
                 results[index].trajectories.append(trajectory)
                 rewards.append(trajectory.reward)
-                tokens += completion_tokens(trajectory)
             finally:
                 bar.update(1)
-                if rewards:
-                    bar.set_postfix(reward=f"{statistics.fmean(rewards):.3f}", tokens=tokens, errors=len(failures))
+                show_progress()
 
     async def run_group(index: int, spec: RolloutGroup) -> None:
+        nonlocal tokens
         await asyncio.gather(*(run(index, spec) for _ in range(spec.n)))
+        if pending[index]:
+            await asyncio.to_thread(fetch_tokens, pending[index])
         group = results[index]
+        tokens += sum(completion_tokens(t) for t in group.trajectories) if group is not None else 0
+        show_progress()
         if after_each is not None and group is not None:
             outcome = after_each(group)
             if inspect.isawaitable(outcome):

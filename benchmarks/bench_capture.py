@@ -1,19 +1,24 @@
 """Per-call overhead of trajectory capture against a plain `ChatOpenAI` call to the same server.
 
 A real `python -m art_backend serve --model tiny-random-smollm2` subprocess (its own process, so
-it never shares the GIL with the client being timed) answers every variant; each call is a
-sequential `llm.invoke(PROMPT)` with max_tokens=4, temperature=0:
+it never shares the GIL with the client being timed) answers every variant; each call is
+`llm.invoke(PROMPT)` with max_tokens=4, temperature=0:
   A  plain ChatOpenAI (baseline, no capture)
   B  plain ChatOpenAI + extra_body={"return_token_ids": True} (server-side token recording)
-  C  ChatART, one `with art_capture():` per call (incl. the exit-time POST /v1/art/token_records)
-  D  ChatART, 10 calls per capture (token fetch batched per capture)
+  C  ChatART, one `with art_capture():` per call
+  D  ChatART, 10 calls per capture (the capture's fixed cost shared by 10 calls)
   E  ChatOpenAI + return_token_ids + config={"callbacks": [ARTCallbackHandler()]}, capture per call
-After a warm-up, each round runs every variant (order rotated per round); a round's value is
-the median per-call time (D: per-capture time / 10); reported is the median over rounds, and
-PASS when the overhead vs A < max(1 ms, 2% of A). Also timed without HTTP (us): the handler's
-on_chat_model_start + on_llm_end on a fake reply, and a capture's enter + close + `assemble()`
-(all but the token fetch). C makes no request of its own: ChatART hands the tokens over with the
-reply; E fetches them on capture exit (one POST per capture).
+  G  E's handler path as training runs it: `gather_trajectories` of 10 rollouts (one `ainvoke`
+     in `async with art_capture()` each), against 10 concurrent plain `ainvoke` calls (G0)
+After a warm-up, each round runs A, B, C, E interleaved call by call (order rotated), and each
+call's overhead is paired with the plain call (A) made right beside it, so the drift of a shared,
+noisy machine cancels out; D and G run as blocks beside their baseline block (10 x A; G0). A
+round's value is the median paired overhead per call; reported is the median over rounds, and
+PASS when it is < max(1 ms, 2% of the baseline). Also timed without HTTP (us): the handler's
+on_chat_model_start + on_llm_end on a fake reply, and a capture's enter + close + `assemble()`.
+C and D make no request of their own: ChatART hands the tokens over with the reply. The handler
+only sees what LangChain keeps of a reply (its message id), so its tokens are fetched from the
+backend: E pays one request per capture; under gather (G) one request per group.
 
 With --art-python (an interpreter of a separate venv with `openpipe-art`, which brings ~50
 packages we keep out of ours), each round also runs benchmarks/art_langgraph_calls.py there:
@@ -28,6 +33,7 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import subprocess
@@ -35,7 +41,9 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from uuid import uuid4
 
 import httpx
@@ -43,7 +51,7 @@ from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.outputs import ChatGeneration, LLMResult
 from langchain_openai import ChatOpenAI
 
-from art_integrations import LocalBackend
+from art_integrations import LocalBackend, Trajectory, gather_trajectories
 from art_integrations.capture import art_capture, assemble
 from art_integrations.langchain.callback import ARTCallbackHandler
 from art_integrations.langchain.chat_model import ChatART
@@ -52,6 +60,8 @@ TINY = "tiny-random-smollm2"
 PROMPT = "Say hello."
 WARMUP = 5
 PER_SCOPE_D = 10
+GROUP_G = 10
+BASELINES = {"F": "F0", "G": "G0"}  # variants with a baseline of their own; the others are against A
 MICRO_ITERATIONS = 2000
 ART_SCRIPT = Path(__file__).with_name("art_langgraph_calls.py")
 Variant = Callable[[int], list[float]]  # runs n calls, returns per-call seconds
@@ -84,63 +94,105 @@ def checked_capture(fn: Callable[[], object], calls: int) -> None:
         raise RuntimeError(f"capture did not record {calls} call(s): {trajectory.metrics} {trajectory.logs}")
 
 
-def build_variants(base_url: str, model: str) -> dict[str, Variant]:
+@dataclass
+class Block:
+    """A variant timed as a block of `calls` calls against a baseline block run right beside it."""
+
+    baseline: str  # the baseline's row
+    run_baseline: Callable[[], object]
+    run: Callable[[], object]
+    calls: int
+
+
+def build_variants(base_url: str, model: str) -> tuple[dict[str, Callable[[], object]], dict[str, Block]]:
+    """One call of each of A, B, C, E; and the block variants D (vs 10 x A) and G (vs G0)."""
     common = {"model": model, "base_url": base_url, "api_key": "unused", "max_tokens": 4, "temperature": 0}
     plain, tokens = ChatOpenAI(**common), ChatOpenAI(**common, extra_body={"return_token_ids": True})
     art, handler = ChatART(**common), ARTCallbackHandler()
-    config = {"callbacks": [handler]}
+    config: Any = {"callbacks": [handler]}
+    loop = asyncio.new_event_loop()  # one loop for every async block: the clients' pools stay warm
 
-    def per_call(fn: Callable[[], object]) -> Variant:
-        return lambda n: [timed(fn) for _ in range(n)]
+    async def handler_rollout() -> Trajectory:
+        async with art_capture() as trajectory:
+            await tokens.ainvoke(PROMPT, config=config)
+        return trajectory
 
-    def batched(n: int) -> list[float]:
-        scopes = max(1, n // PER_SCOPE_D)
-        return [timed(lambda: checked_capture(lambda: [art.invoke(PROMPT) for _ in range(PER_SCOPE_D)],
-                                              PER_SCOPE_D)) / PER_SCOPE_D for _ in range(scopes)]
+    async def concurrent_plain() -> None:
+        await asyncio.gather(*(plain.ainvoke(PROMPT) for _ in range(GROUP_G)))
 
-    return {
-        "A plain ChatOpenAI": per_call(lambda: plain.invoke(PROMPT)),
-        "B + return_token_ids": per_call(lambda: tokens.invoke(PROMPT)),
-        "C ChatART, capture/call": per_call(lambda: checked_capture(lambda: art.invoke(PROMPT), 1)),
-        f"D ChatART, {PER_SCOPE_D} calls/capture": batched,
-        "E handler, capture/call": per_call(
-            lambda: checked_capture(lambda: tokens.invoke(PROMPT, config=config), 1)),  # type: ignore[arg-type]
+    async def gathered_group() -> None:
+        group = await gather_trajectories(handler_rollout, GROUP_G)
+        if len(group.trajectories) != GROUP_G or not all(c.token_ids for t in group.trajectories
+                                                         for c in t.choices()):
+            raise RuntimeError(f"gather did not record every call with tokens: {group.exceptions}")
+
+    singles = {
+        "A plain ChatOpenAI": lambda: plain.invoke(PROMPT),
+        "B + return_token_ids": lambda: tokens.invoke(PROMPT),
+        "C ChatART, capture/call": lambda: checked_capture(lambda: art.invoke(PROMPT), 1),
+        "E handler, capture/call": lambda: checked_capture(lambda: tokens.invoke(PROMPT, config=config), 1),
     }
+    blocks = {
+        f"D ChatART, {PER_SCOPE_D} calls/capture": Block(
+            "A plain ChatOpenAI", lambda: [plain.invoke(PROMPT) for _ in range(PER_SCOPE_D)],
+            lambda: checked_capture(lambda: [art.invoke(PROMPT) for _ in range(PER_SCOPE_D)], PER_SCOPE_D),
+            PER_SCOPE_D),
+        f"G handler, gathered group of {GROUP_G}": Block(
+            f"G0 {GROUP_G} concurrent plain ainvoke", lambda: loop.run_until_complete(concurrent_plain()),
+            lambda: loop.run_until_complete(gathered_group()), GROUP_G),
+    }
+    return singles, blocks
 
 
-def art_variants(art_python: str, base_url: str, model: str) -> dict[str, Variant]:
-    """F0/F from one run of the ART script per round (both measured in its own process)."""
-    last: dict[str, list[float]] = {}
-
-    def run(n: int) -> dict[str, list[float]]:
-        out = subprocess.run([art_python, str(ART_SCRIPT), base_url, model, str(n)], capture_output=True,
-                             text=True, check=False)
-        if out.returncode != 0:
-            raise RuntimeError(f"{ART_SCRIPT.name} failed under {art_python}:\n{out.stderr[-2000:]}")
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    def plain(n: int) -> list[float]:
-        last.update(run(n))
-        return last["plain"]
-
-    return {"F0 ART venv: plain ainvoke": plain, "F ART wrap_rollout/call": lambda n: last["art"]}
+def run_art_script(art_python: str, base_url: str, model: str, calls: int) -> dict[str, list[float]]:
+    """F0/F per-call seconds, alternating call by call in ART's own venv and process."""
+    out = subprocess.run([art_python, str(ART_SCRIPT), base_url, model, str(calls)], capture_output=True,
+                         text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{ART_SCRIPT.name} failed under {art_python}:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_rounds(variants: dict[str, Variant], calls: int, rounds: int) -> dict[str, list[float]]:
-    """Per variant, the median per-call seconds of each round; order rotated every round (F0 and F
-    are measured together, so they move as one)."""
-    names = list(variants)
-    ours = [n for n in names if not n.startswith("F")]
-    for name in ours:
-        variants[name](WARMUP if not name.startswith("D") else PER_SCOPE_D)
-    results: dict[str, list[float]] = {name: [] for name in names}
+def run_rounds(singles: dict[str, Callable[[], object]], blocks: dict[str, Block], n: int, rounds: int,
+               art: Callable[[int], dict[str, list[float]]] | None) -> dict[str, dict[str, list[float]]]:
+    """Per round and variant: the median per-call seconds and the median paired overhead.
+
+    Single-call variants run interleaved call by call (order rotated each time), and each call's
+    overhead is taken against the plain call (A) made right beside it, so the drift of a shared,
+    noisy machine cancels out. A block variant is timed against its baseline block beside it."""
+    names = list(singles)
+    for _ in range(WARMUP):
+        for call in [*singles.values(), *(b.run for b in blocks.values()), *(b.run_baseline for b in blocks.values())]:
+            call()
+    per_round: dict[str, dict[str, list[float]]] = {"time": {}, "overhead": {}}
     for r in range(rounds):
-        order = ours[r % len(ours):] + ours[:r % len(ours)] + [n for n in names if n.startswith("F")]
-        for name in order:
-            results[name].append(statistics.median(variants[name](calls)))
-        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{n.split()[0]} {results[n][-1] * 1e3:.2f} ms" for n in names),
+        times: dict[str, list[float]] = {}
+        overheads: dict[str, list[float]] = {}
+        for i in range(n):
+            order = names[i % len(names):] + names[:i % len(names)]
+            measured = {name: timed(singles[name]) for name in order}
+            for name in names:
+                times.setdefault(name, []).append(measured[name])
+                if name != names[0]:
+                    overheads.setdefault(name, []).append(measured[name] - measured[names[0]])
+        for name, block in blocks.items():
+            for _ in range(max(1, n // block.calls)):
+                base, seconds = timed(block.run_baseline) / block.calls, timed(block.run) / block.calls
+                if block.baseline not in singles:  # a baseline of its own (G0): a row of its own
+                    times.setdefault(block.baseline, []).append(base)
+                times.setdefault(name, []).append(seconds)
+                overheads.setdefault(name, []).append(seconds - base)
+        if art is not None:
+            measured_art = art(n)
+            times["F0 ART venv: plain ainvoke"], times["F ART wrap_rollout/call"] = measured_art["plain"], measured_art["art"]
+            overheads["F ART wrap_rollout/call"] = [a - p for a, p in zip(measured_art["art"], measured_art["plain"])]
+        for kind, values in (("time", times), ("overhead", overheads)):
+            for name, seconds in values.items():
+                per_round[kind].setdefault(name, []).append(statistics.median(seconds))
+        print(f"round {r + 1}/{rounds}: " + ", ".join(
+            f"{name.split()[0]} {statistics.median(seconds) * 1e3:.2f} ms" for name, seconds in times.items()),
               flush=True)
-    return results
+    return per_round
 
 
 def micro_us(base_url: str, model: str) -> dict[str, float]:
@@ -169,14 +221,16 @@ def micro_us(base_url: str, model: str) -> dict[str, float]:
             "capture_no_fetch_us": statistics.median(capture_s) * 1e6}
 
 
-def summarize(results: dict[str, list[float]]) -> list[dict[str, object]]:
-    """Overhead of each variant against its baseline: A for ours, F0 (same venv) for ART's."""
-    medians = {name: statistics.median(values) * 1e3 for name, values in results.items()}
+def summarize(per_round: dict[str, dict[str, list[float]]]) -> list[dict[str, object]]:
+    """Median over rounds of each variant's time and paired overhead: against A for ours, against
+    F0 (ART's venv, same process) for ART's."""
     rows: list[dict[str, object]] = []
-    for name, ms in medians.items():
-        baseline = next(m for n, m in medians.items() if n.startswith("F0" if name.startswith("F") else "A"))
-        over, limit = ms - baseline, max(1.0, 0.02 * baseline)
-        is_baseline = name.split()[0] in ("A", "F0")
+    medians = {name: statistics.median(values) * 1e3 for name, values in per_round["time"].items()}
+    for name, ms in sorted(medians.items()):
+        baseline = medians[next(n for n in medians if n.split()[0] == BASELINES.get(name.split()[0], "A"))]
+        is_baseline = name.split()[0] in ("A", *BASELINES.values())
+        over = 0.0 if is_baseline else statistics.median(per_round["overhead"][name]) * 1e3
+        limit = max(1.0, 0.02 * baseline)
         rows.append({"variant": name, "ms_per_call": ms, "overhead_ms": over, "overhead_pct": 100 * over / baseline,
                      "limit_ms": limit, "pass": None if is_baseline else over < limit})
     return rows
@@ -184,12 +238,12 @@ def summarize(results: dict[str, list[float]]) -> list[dict[str, object]]:
 
 def print_report(rows: list[dict[str, object]], micro: dict[str, float], art: str, calls: int,
                  rounds: int) -> None:
-    print(f"\n{'variant':<28} {'ms/call':>8} {'overhead ms':>12} {'overhead %':>11} {'target':>8}")
+    print(f"\n{'variant':<36} {'ms/call':>8} {'overhead ms':>12} {'overhead %':>11} {'target':>8}")
     for row in rows:
         verdict = "baseline" if row["pass"] is None else ("PASS" if row["pass"] else "FAIL")
-        print(f"{row['variant']:<28} {row['ms_per_call']:>8.2f} {row['overhead_ms']:>+12.2f} "
+        print(f"{row['variant']:<36} {row['ms_per_call']:>8.2f} {row['overhead_ms']:>+12.2f} "
               f"{row['overhead_pct']:>+10.1f}% {verdict:>8}")
-    print(f"Medians of {rounds} round(s) x {calls} calls; target: overhead < {rows[0]['limit_ms']:.2f} ms "
+    print(f"Medians of {rounds} round(s) x {calls} paired calls; target: overhead < {rows[0]['limit_ms']:.2f} ms "
           "(max of 1 ms and 2% of A).")
     print(f"Without HTTP: handler start+end {micro['handler_us']:.1f} us/call; capture enter+close+assemble "
           f"{micro['capture_no_fetch_us']:.1f} us/capture.")
@@ -214,17 +268,17 @@ def main() -> None:
            if args.art_python else "ART: not measured (pass --art-python, a venv with openpipe-art)")
     with backend_server(None if args.model == "embedded" else args.model) as (base_url, served):
         print(f"Server {base_url} ({served}); {args.rounds} rounds x {args.calls} calls", flush=True)
-        variants = build_variants(base_url, served)
-        if args.art_python:
-            variants.update(art_variants(args.art_python, base_url, served))
-        results = run_rounds(variants, args.calls, args.rounds)
+        art_calls = (lambda n: run_art_script(args.art_python, base_url, served, n)) if args.art_python else None
+        singles, blocks = build_variants(base_url, served)
+        results = run_rounds(singles, blocks, args.calls, args.rounds, art_calls)
     micro = micro_us(base_url, served)
     rows = summarize(results)
     print_report(rows, micro, art, args.calls, args.rounds)
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"calls": args.calls, "rounds": args.rounds, "rows": rows, "micro": micro, "art": art,
-                       "rounds_ms": {k: [v * 1e3 for v in vs] for k, vs in results.items()}}, out, indent=2)
+                       "rounds_ms": {kind: {k: [v * 1e3 for v in vs] for k, vs in values.items()}
+                                     for kind, values in results.items()}}, out, indent=2)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pytest
+from art_backend.training.tokenize import TokenizeStats, tokenize_trajectory
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
@@ -16,8 +17,16 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import create_react_agent
 from pydantic import BaseModel
 
-from art_backend.training.tokenize import TokenizeStats, tokenize_trajectory
-from art_integrations import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup, art_capture
+from art_integrations import (
+    LocalBackend,
+    TrainableModel,
+    TrainConfig,
+    Trajectory,
+    TrajectoryGroup,
+    art_capture,
+    gather_trajectory_groups,
+    trajectory_group,
+)
 from art_integrations.langchain import ARTCallbackHandler, ChatART
 from tests.conftest import ServerThread
 
@@ -220,6 +229,43 @@ async def test_handler_on_a_plain_chat_openai(tiny_server: ServerThread) -> None
     with art_capture() as missing:
         plain.invoke("hi", config={"callbacks": [handler]})
     assert missing.metrics["capture_errors"] == 1 and "return_token_ids" in missing.logs[0]
+
+
+async def test_handler_tokens_are_fetched_once_per_gathered_group(tiny_server: ServerThread,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under gather, handler-path captures leave their token fetch to the group: rewards read the
+    replies as messages, and one request per group then puts every reply's exact tokens in place."""
+    import art_integrations.capture as capture
+
+    llm = ChatOpenAI(model="tiny-random-smollm2", base_url=f"{tiny_server.base_url}/v1", api_key="unused",
+                     max_tokens=40, extra_body={"return_token_ids": True})
+    handler = ARTCallbackHandler()
+    fetches: list[list[str]] = []
+    post = capture._http.post
+
+    def counting_post(url: str, **kwargs: Any) -> Any:
+        fetches.append(kwargs["json"]["ids"])
+        return post(url, **kwargs)
+
+    monkeypatch.setattr(capture._http, "post", counting_post)
+
+    async def rollout() -> Trajectory:
+        async with art_capture() as trajectory:
+            await react_agent(llm).ainvoke({"messages": [("user", "weather in Oslo?")]},
+                                           config={"callbacks": [handler]})
+        assert not trajectory.choices() and trajectory.messages()[-1]["role"] == "assistant"  # tokens come later
+        trajectory.reward = float(len(trajectory.messages()))
+        return trajectory
+
+    groups = await gather_trajectory_groups([trajectory_group(rollout, n=4), trajectory_group(rollout, n=3)],
+                                            progress=False)
+    assert sorted(len(ids) for ids in fetches) == [6, 8]  # one request per group, two calls per rollout
+    for group in groups:
+        for trajectory in group.trajectories:
+            assert len(trajectory.choices()) == 2 and not trajectory.metrics.get("capture_errors")
+            assert all(c.token_ids and c.prompt_token_ids and c.token_logprobs for c in trajectory.choices())
+    count, _ = sequences(groups[0].trajectories[0])
+    assert count >= 1  # trainable as fetched
 
 
 async def test_a_captured_agent_trajectory_trains_one_step(tmp_path: Path) -> None:
