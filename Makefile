@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser run smoke test bench-serving bench-training clean
+.PHONY: setup browser run smoke test bench-serving bench-training bench-capture clean
 
 $(BIN)/.installed: pyproject.toml backend/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ bench-serving: setup
 
 bench-training: setup
 	$(BIN)/python benchmarks/bench_training.py
+
+# ARGS="--model embedded" or ARGS="--art-python /path/to/art-venv/bin/python" (a venv with openpipe-art)
+bench-capture: setup
+	$(BIN)/python benchmarks/bench_capture.py $(ARGS)
 
 clean:
 	rm -rf $(VENV)
