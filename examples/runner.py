@@ -87,6 +87,7 @@ class Example:
     rollouts: int = 4
     held_out: int = 12
     learning_rate: float = 1e-3
+    temperature: float = 1.0  # training rollouts are sampled at this (held-out scoring is greedy)
     max_tokens: int = 64
 
 
@@ -185,7 +186,8 @@ async def train(example: Example, args: argparse.Namespace) -> None:
         model = TrainableModel(name=args.name or f"{example.model_prefix}-s{args.seed}", project=example.project)
         await model.register(backend)
         base = await held_out_score(example, model, 0, held_out, args.max_tokens, "base model")
-        policy = Policy(f"{backend.base_url}/v1", model.inference_name, temperature=1.0, max_tokens=args.max_tokens)
+        policy = Policy(f"{backend.base_url}/v1", model.inference_name, temperature=args.temperature,
+                        max_tokens=args.max_tokens)
         after_each = ruler_after_each(backend, args) if args.ruler else None
         for step in range(await model.get_step(), args.steps):
             batch = scenarios[step * args.scenarios_per_step:(step + 1) * args.scenarios_per_step]
@@ -193,7 +195,8 @@ async def train(example: Example, args: argparse.Namespace) -> None:
                 [trajectory_group(lambda s=s: example.rollout(policy, s), n=args.rollouts, scenario=s.id)
                  for s in batch],
                 max_exceptions=0.1, after_each=after_each, progress=False)
-            result = await model.train(groups, TrainConfig(learning_rate=args.learning_rate))
+            result = await model.train(groups, TrainConfig(learning_rate=args.learning_rate,
+                                                           temperature=args.temperature))
             print(step_line(example, result.step, args.steps, result.metrics, len(groups) + len(groups.dropped)),
                   flush=True)
         final_step = await model.get_step()
@@ -213,6 +216,8 @@ def train_main(example: Example, description: str | None = None) -> None:
     parser.add_argument("--scenarios-per-step", type=int, default=example.scenarios_per_step)
     parser.add_argument("--rollouts", type=int, default=example.rollouts, help="rollouts per scenario (one group)")
     parser.add_argument("--learning-rate", type=float, default=example.learning_rate)
+    parser.add_argument("--temperature", type=float, default=example.temperature,
+                        help="sampling temperature of training rollouts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default=None, help=f"model name (default: {example.model_prefix}-s<seed>)")
     parser.add_argument("--ruler", action="store_true", help="score groups with RULER instead of the task's reward "

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from examples.city_facts.task import Scenario, score
 from tests.conftest import run_example
 
 
@@ -25,3 +28,15 @@ def test_city_facts_main_job_runs_a_step_and_resumes(tmp_path: Path) -> None:
     table = run_example("examples.city_facts.evaluate", "--model", "tiny-random-smollm2", "--art-dir", str(tmp_path),
                         "--held-out", "2", "--models", "tiny-random-smollm2", "city-agent-s0")
     assert "held-out score" in table and "city-agent-s0" in table
+
+
+def test_city_facts_reward_credits_the_fact_in_plain_words_only() -> None:
+    oslo = Scenario("t", "What time is it in Oslo?", "get_local_time", "Oslo")
+    assert oslo.answer == "6:50"
+    call = [("get_local_time", {"city": "Oslo"})]
+    assert score(oslo, call, "It is 6:50 in Oslo.") == {"right_tool": 1.0, "right_city": 1.0, "has_number": 1.0,
+                                                        "plain": 1.0, "reward": pytest.approx(1.0)}
+    assert score(oslo, call, "<tool_response>\n6:50\n</tool_response>")["reward"] == pytest.approx(0.6)  # echoed
+    # dropping the markup along with the fact earns nothing over the lookup itself
+    assert score(oslo, call, "You can use the get_local_time function.")["reward"] == pytest.approx(0.4)
+    assert score(oslo, [("get_weather", {"city": "Rome"})], "")["reward"] == 0.0

@@ -7,32 +7,36 @@ requires a tool call (`tool_choice="required"`); afterwards it answers in words.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from langchain_core.messages import SystemMessage
 from langchain_core.tools import tool
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
-from examples.city_facts.task import fact
+from examples.city_facts.task import CITIES, fact
 
 SYSTEM_PROMPT = "You answer questions about cities. Look the fact up with a tool, then answer in one sentence."
 
+# The cities the tools know, as an enum: the backend's grammar then spells them exactly, and
+# picking the one the question names is part of what the policy learns.
+City = Literal[tuple(CITIES)]  # type: ignore[valid-type]
+
 
 @tool
-def get_weather(city: str) -> str:
+def get_weather(city: City) -> str:
     """Current weather in a city."""
     return fact("get_weather", city)
 
 
 @tool
-def get_local_time(city: str) -> str:
+def get_local_time(city: City) -> str:
     """Current local time in a city."""
     return fact("get_local_time", city)
 
 
 @tool
-def get_population(city: str) -> str:
+def get_population(city: City) -> str:
     """Population of a city."""
     return fact("get_population", city)
 

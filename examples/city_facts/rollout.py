@@ -28,5 +28,6 @@ EXAMPLE = Example(
     title="city-facts agent",
     scenarios=lambda split, count, seed: scenarios(split, count, seed=seed),
     rollout=rollout,
-    metrics=("right_tool", "plain", "states_fact"),
+    metrics=("right_tool", "right_city", "has_number", "plain"),
+    temperature=0.7,
 )

@@ -2,7 +2,7 @@
 
 Each scenario asks one fact (weather, local time or population) about one city. The agent
 must pick the matching tool with the city as argument, then answer in plain words with the
-fact the tool returned. The reward gives partial credit for each part, so rollouts of the
+fact the tool returned (the base model mostly echoes the tool's markup instead). The reward gives partial credit for each part, so rollouts of the
 small base model score differently within a group (the signal GRPO learns from).
 """
 
@@ -59,15 +59,14 @@ def scenarios(split: str, count: int, seed: int = 0) -> list[Scenario]:
 
 
 def score(scenario: Scenario, tool_calls: list[tuple[str, dict]], final_answer: str) -> dict[str, float]:
-    """Partial credit, one part at a time: the right tool (0.3), the right city (0.2), an answer
-    that carries the fact's number (0.2), in plain words rather than echoed markup (0.1), and
-    the whole fact (0.2)."""
+    """Partial credit, one part at a time: the right tool (0.25), the right city (0.15), an answer
+    that carries the fact's number (0.2), and says it in plain words rather than echoed tool
+    markup (0.4). Plain words without the number earn nothing: a policy that drops the markup
+    along with the fact must not look better than one that echoes the fact."""
     right_tool = any(name == scenario.tool for name, _ in tool_calls)
     right_city = any(args.get("city") == scenario.city for _, args in tool_calls)
     number = re.search(r"[\d.:]+", scenario.answer).group()
     has_number = number in final_answer
-    plain = bool(final_answer.strip()) and "<" not in final_answer
-    states_fact = plain and scenario.answer.split(",")[0] in final_answer
+    plain = has_number and "<" not in final_answer
     return {"right_tool": float(right_tool), "right_city": float(right_city), "has_number": float(has_number),
-            "plain": float(plain), "states_fact": float(states_fact),
-            "reward": 0.3 * right_tool + 0.2 * right_city + 0.2 * has_number + 0.1 * plain + 0.2 * states_fact}
+            "plain": float(plain), "reward": 0.25 * right_tool + 0.15 * right_city + 0.2 * has_number + 0.4 * plain}
