@@ -8,8 +8,9 @@ For agents that keep their own `ChatOpenAI` pointed at an art-backend:
         agent.invoke(inputs, config={"callbacks": [ARTCallbackHandler()]})
 
 `return_token_ids` makes the backend keep each choice's exact tokens under the reply's message
-id; LangChain passes that id through, and the capture fetches the tokens on exit. (`ChatART`
-also hands the tokens over in `generation_info`; then nothing is fetched.)
+id; LangChain passes that id through, and the capture fetches the tokens on exit (under
+`gather_trajectory_groups`, once per group). (`ChatART` also hands the tokens over in
+`generation_info`; then nothing is fetched.)
 
 The handler runs inline (`run_inline = True`), in the caller's context, so the capture is the
 caller's even under `ainvoke` and inside LangGraph's tasks. It keys its bookkeeping by

@@ -11,7 +11,8 @@ For agents that keep their own `OpenAILike` pointed at an art-backend:
 
 `return_token_ids` makes the backend keep each choice's exact tokens under the reply's message
 id; the handler reads that id from `ChatResponse.raw` (the last chunk's, when streaming) and
-the capture fetches the tokens on exit, with the logprobs the trainer needs.
+the capture fetches the tokens on exit (under `gather_trajectory_groups`, once per group), with
+the logprobs the trainer needs.
 
 LlamaIndex's events carry messages and responses but not which LLM or agent made a call, so
 `instrument()` also attaches a span handler that remembers, for each open span, the LLM that
