@@ -50,6 +50,23 @@ def test_lean_forward_matches_transformers(model_fixture: str, request: pytest.F
     torch.testing.assert_close(step[:, 0], reference_next, atol=2e-4, rtol=1e-4)
 
 
+def test_bf16_logits_stay_close_to_fp32_and_leave_the_trainer_model_alone(embedded_model_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(embedded_model_dir).eval()
+    exact, fast = LeanLlama(model, max_len=64), LeanLlama(model, max_len=64, logits_dtype=torch.bfloat16)
+    assert model.get_output_embeddings().weight.dtype == torch.float32 and fast.lm_head.dtype == torch.bfloat16
+    ids = torch.tensor([[1, 504, 3458, 314, 4457, 30, 378, 1330, 314, 2421, 11, 1781]])
+    logprobs = []
+    for lean in (exact, fast):
+        cache = lean.new_cache()
+        cache.reserve(1, 16)
+        hidden = lean.forward(ids, torch.arange(12)[None], torch.arange(1), cache, torch.tensor([12]))
+        logprobs.append(torch.log_softmax(lean.logits(hidden), dim=-1))
+    kl = (logprobs[0].exp() * (logprobs[0] - logprobs[1])).sum(-1)
+    assert float(kl.max()) < 5e-3, kl
+    agree = (logprobs[0].argmax(-1) == logprobs[1].argmax(-1)).float().mean()
+    assert float(agree) >= 0.8  # only near-ties may flip
+
+
 async def test_greedy_output_is_the_same_with_and_without_a_reused_prefix(embedded_engine: TorchEngine) -> None:
     prompt = _prompt(embedded_engine, "Name three colors.")
     request = GenerationRequest(prompt, SamplingParams(max_tokens=12, temperature=0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -39,3 +40,6 @@ class BackendSettings(BaseSettings):
     )
     max_batch_size: int = Field(default=64, description="Sequences decoded together in one step.")
     threads: int | None = Field(default=None, description="torch CPU threads. Default: all cores.")
+    logits_dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="CPU: the LM head's precision when serving. bfloat16 is faster on CPUs with "
+        "AVX512-BF16; sampled logprobs then differ from the fp32 trainer's by ~0.02 nats on average.")

@@ -9,6 +9,12 @@ ops per layer for the whole batch. It reads the weights of the Hugging Face mode
 
 LoRA adapters are applied unmerged, per row: row b of a batch adds
 scale * (x A_b^T) B_b^T, where A_b, B_b belong to that row's adapter (index 0 = none).
+
+`logits_dtype=torch.bfloat16` (opt-in on CPU) projects to the vocabulary with a bf16 copy of
+the LM head: at batch 16 that matmul is a quarter of a decode step in fp32 and 3-4x faster in
+bf16 on CPUs with AVX512-BF16. Sampled logprobs then differ from the fp32 trainer's by ~0.02
+nats on average (KL ~3e-4 per token on the embedded model); they are still the sampler's own,
+and the loss's importance ratio absorbs the difference.
 """
 
 from __future__ import annotations
@@ -79,7 +85,7 @@ class KVCache:
 
 
 class LeanLlama:
-    def __init__(self, model: torch.nn.Module, max_len: int) -> None:
+    def __init__(self, model: torch.nn.Module, max_len: int, logits_dtype: torch.dtype | None = None) -> None:
         cfg = model.config
         if cfg.model_type not in ("llama", "qwen2", "qwen3", "mistral"):
             raise ValueError(
@@ -95,6 +101,8 @@ class LeanLlama:
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.lm_head = model.get_output_embeddings().weight
+        if logits_dtype is not None and logits_dtype != self.lm_head.dtype:
+            self.lm_head = self.lm_head.detach().to(logits_dtype)  # a copy: the trainer keeps its own
         self.layers = []
         with torch.no_grad():
             for layer in inner.layers:
@@ -219,4 +227,4 @@ class LeanLlama:
 
     @torch.no_grad()
     def logits(self, hidden: Tensor) -> Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return F.linear(hidden.to(self.lm_head.dtype), self.lm_head).float()

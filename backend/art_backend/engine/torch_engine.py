@@ -90,7 +90,8 @@ class TorchEngine:
 
     def __init__(self, model_dir: Path, served_model_name: str | None = None,
                  max_model_len: int | None = None, max_batch_size: int = 64,
-                 prefix_cache_tokens: int = 16384, threads: int | None = None) -> None:
+                 prefix_cache_tokens: int = 16384, threads: int | None = None,
+                 logits_dtype: str = "float32") -> None:
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -102,13 +103,15 @@ class TorchEngine:
         self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         if max_model_len is None:
             self.max_model_len = min(self.max_model_len, _MAX_CONTEXT)
-        self.lean = LeanLlama(self.model, self.max_model_len)
+        self.lean = LeanLlama(self.model, self.max_model_len,
+                              logits_dtype=None if self.device.type == "cuda" else getattr(torch, logits_dtype))
         self.base_model_name = served_model_name or Path(model_dir).name
         self.max_batch_size = max_batch_size
         self.stop_ids = self._stop_token_ids()
         self.constrainer = Constrainer(self.tokenizer)
         self.peak_batch_size = 0  # most sequences decoded in one step so far
-        logger.info("Loaded %s in %.1f s on %s", model_dir, time.perf_counter() - started, self.device)
+        logger.info("Loaded %s in %.1f s on %s (LM head %s)", model_dir, time.perf_counter() - started, self.device,
+                    str(self.lean.lm_head.dtype).removeprefix("torch."))
 
         self._adapters: dict[str, LoraWeights | None] = {}  # None: the base model under another name
         self._trainer: LoraTrainer | None = None
