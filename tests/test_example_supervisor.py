@@ -11,7 +11,7 @@ from art_backend.training.tokenize import TokenizeStats, tokenize_trajectory
 
 from art_integrations import Choice, History, Trajectory
 from examples.runner import Policy
-from examples.supervisor.agent import RESEARCHER_PROMPT, SUPERVISOR_PROMPT
+from examples.supervisor.agent import RESEARCH_QUESTIONS, RESEARCHER_PROMPT, SUPERVISOR_PROMPT
 from examples.supervisor.rollout import rollout, sub_agent_histories, tool_calls
 from examples.supervisor.task import PRODUCTS, Scenario, fact, scenarios, score
 from tests.conftest import ServerThread, run_example
@@ -24,6 +24,8 @@ def test_scenarios_are_reproducible_and_held_out_products_are_never_trained_on()
     assert train == scenarios("train", 50, seed=0) and train != scenarios("train", 50, seed=1)
     assert {s.product for s in train} <= set(PRODUCTS[:14]) and {s.product for s in val} <= set(PRODUCTS[14:])
     assert {s.tool for s in train} == {"get_price", "get_stock", "get_delivery_days"}
+    assert {(s.tool, s.topic) for s in train} == {("get_price", "price"), ("get_stock", "stock"),
+                                                  ("get_delivery_days", "delivery")}
     assert all(s.product in s.question for s in train + val)
 
 
@@ -36,13 +38,17 @@ def test_catalogue_facts_and_the_number_an_answer_must_carry() -> None:
 
 def test_reward_gives_partial_credit_per_agent_part() -> None:
     kettle = Scenario("t", "How much does the blue kettle cost?", "get_price", "blue kettle")
-    perfect = score(kettle, ["What is the price of the Blue Kettle?"], [("get_price", {"product": "blue kettle"})],
-                    "The blue kettle costs 35.50 EUR.")
-    assert perfect == {"names_product": 1.0, "right_tool": 1.0, "right_product": 1.0, "has_number": 1.0,
-                       "plain": 1.0, "reward": pytest.approx(1.0)}
-    # the sub-agent looked up the wrong product's stock; the answer echoes markup
-    partial = score(kettle, ["10"], [("get_stock", {"product": "red lamp"})], "<tool_response>35.50</tool_response>")
-    assert partial["reward"] == pytest.approx(0.2) and partial["has_number"] == 1.0 and partial["plain"] == 0.0
+    request = {"product": "blue kettle", "topic": "price"}
+    perfect = score(kettle, [request], [("get_price", {"product": "blue kettle"})], "The blue kettle costs 35.50 EUR.")
+    assert perfect == {"right_request": 1.0, "right_lookup": 1.0, "has_number": 1.0, "plain": 1.0,
+                       "reward": pytest.approx(1.0)}
+    # asked about the right product's stock, the sub-agent looked up another product; markup echoed
+    partial = score(kettle, [{"product": "blue kettle", "topic": "stock"}], [("get_stock", {"product": "red lamp"})],
+                    "<tool_response>35.50</tool_response>")
+    assert (partial["right_request"], partial["right_lookup"], partial["plain"]) == (0.5, 0.0, 0.0)
+    assert partial["reward"] == pytest.approx(0.1 + 0.3)
+    # plain words without the number earn nothing for the answer
+    assert score(kettle, [request], [], "It is a lovely kettle.")["reward"] == pytest.approx(0.2)
     assert score(kettle, [], [], "")["reward"] == 0.0  # never delegated, never answered
 
 
@@ -70,7 +76,8 @@ async def test_a_rollout_trains_the_sub_agent_as_an_additional_history(server: S
     (research,) = trajectory.additional_histories
     assert trajectory.metadata["additional_history_agents"] == ["research"]
     assert research.messages()[0] == {"role": "system", "content": RESEARCHER_PROMPT}
-    assert research.messages()[1]["content"] == json.loads(delegation["arguments"])["question"]  # passed on
+    request = json.loads(delegation["arguments"])
+    assert research.messages()[1]["content"] == RESEARCH_QUESTIONS[request["topic"]].format(product=request["product"])
     (lookup,) = tool_calls(research)
     assert lookup[0] in {"get_price", "get_stock", "get_delivery_days"} and lookup[1]["product"] in PRODUCTS
     assert trajectory.metrics["sub_agent_calls"] == 1 and trajectory.metrics["sub_agent_histories"] == 1

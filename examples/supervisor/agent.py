@@ -1,15 +1,17 @@
 """A supervisor and its sub-agent, written as a LangGraph user writes them.
 
 The shop's assistant (the supervisor) does not see the catalogue: it has one tool,
-`ask_researcher`, that runs a research sub-agent, a compiled graph with its own model node and
-catalogue tools, and returns what the sub-agent found. The sub-agent runs inside the
-supervisor's `research` tool node, so LangGraph runs it as a subgraph (its own checkpoint
-namespace), and `art_capture()` records its model calls as a separate conversation: an
-additional history of the rollout's trajectory, trained along with the supervisor's.
+`ask_researcher(product, topic)`, that puts the question to a research sub-agent, a compiled
+graph with its own model node and catalogue tools, and returns what the sub-agent found. The
+sub-agent runs inside the supervisor's `research` tool node, so LangGraph runs it as a subgraph
+(its own checkpoint namespace), and `art_capture()` records its model calls as a separate
+conversation: an additional history of the rollout's trajectory, trained along with the
+supervisor's.
 
-The sub-agent's job is to pick the right lookup; the catalogue's answer is its report, returned
-as is (a tool's `return_direct`). A 135M model asked to re-word the fact first mostly garbles
-the number before the supervisor sees it, so neither agent would be rewarded for it.
+Sized for a 135M model: the request is typed (product and topic as enums) because its sampled
+free-text questions named the product in only a third to a half of the rollouts; and the
+catalogue's answer is the sub-agent's report, returned as is (a tool's `return_direct`),
+because its own re-wording mostly lost the number before the supervisor saw it.
 
 The only ART-specific line is the chat model passed in: `ChatART.from_model(model)` instead of
 `ChatOpenAI(...)`. Both agents must act before they talk, so each one's first turn requires a
@@ -25,15 +27,18 @@ from langchain_core.tools import tool
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
-from examples.supervisor.task import PRODUCTS, fact
+from examples.supervisor.task import PRODUCTS, TOPICS, fact
 
-SUPERVISOR_PROMPT = ("You are the shop's assistant. Pass the customer's question to the researcher, then answer the "
-                     "customer in one sentence.")
+SUPERVISOR_PROMPT = ("You are the shop's assistant. Ask the researcher about the product the customer asks about, "
+                     "then answer the customer in one sentence.")
 RESEARCHER_PROMPT = "You look products up in the shop's catalogue with the tool that answers the question."
 RESEARCH_NODE = "research"  # the supervisor's tool node; the sub-agent's calls are captured under this name
 
-# The catalogue's product names as an enum: the backend's grammar then spells them exactly.
+# Product names and request topics as enums: the backend's grammar then spells them exactly.
 Product = Literal[PRODUCTS]  # type: ignore[valid-type]
+Topic = Literal[tuple(TOPICS)]  # type: ignore[valid-type]
+RESEARCH_QUESTIONS = {"price": "How much does the {product} cost?", "stock": "How many of the {product} are in stock?",
+                      "delivery": "How many days does delivery of the {product} take?"}
 
 
 @tool
@@ -78,8 +83,9 @@ def build_supervisor(llm: Any) -> Any:
     research_agent = build_research_agent(llm)
 
     @tool
-    async def ask_researcher(question: str) -> str:
-        """Ask the research assistant to look a product up in the shop's catalogue (price, stock or delivery)."""
+    async def ask_researcher(product: Product, topic: Topic) -> str:
+        """Ask the research assistant about a product in the shop's catalogue: its price, stock or delivery time."""
+        question = RESEARCH_QUESTIONS[topic].format(product=product)
         result = await research_agent.ainvoke({"messages": [("user", question)]})
         return result["messages"][-1].content  # what the catalogue answered
 

@@ -35,7 +35,7 @@ async def rollout(policy: Policy, scenario: Scenario) -> Trajectory:
     async with art_capture(scenario=scenario.id) as trajectory:
         result = await agent.ainvoke({"messages": [("user", scenario.question)]})
     messages = result["messages"]
-    requests = [str(call["args"].get("question", "")) for m in messages if m.type == "ai" for call in m.tool_calls]
+    requests = [call["args"] for m in messages if m.type == "ai" for call in m.tool_calls]
     research = sub_agent_histories(trajectory)
     last = messages[-1]
     final_answer = last.content if last.type == "ai" and not last.tool_calls and isinstance(last.content, str) else ""
@@ -55,5 +55,6 @@ EXAMPLE = Example(
     title="supervisor + research sub-agent",
     scenarios=lambda split, count, seed: scenarios(split, count, seed=seed),
     rollout=rollout,
-    metrics=("names_product", "right_tool", "has_number", "plain", "sub_agent_histories"),
+    metrics=("right_request", "right_lookup", "has_number", "plain", "sub_agent_histories"),
+    temperature=0.7,
 )

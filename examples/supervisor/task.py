@@ -2,9 +2,9 @@
 
 Each scenario is a customer's question about one product of the shop's catalogue: its price,
 how many are in stock, or how soon it ships. The assistant (the supervisor) must hand the
-lookup to its research sub-agent, naming the product; the sub-agent looks the fact up with the
-matching catalogue tool, whose answer goes back; the assistant answers the customer with the number.
-Both agents' turns are trained, so the reward credits each one's part.
+lookup to its research sub-agent, naming the product and the topic; the sub-agent looks the
+fact up with the matching catalogue tool, whose answer goes back; the assistant answers the
+customer with the number. Both agents' turns are trained, so the reward credits each one's part.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 PRODUCTS = ("blue kettle", "red lamp", "green mug", "black desk", "white chair", "grey sofa", "yellow rug",
             "brown shelf", "pink vase", "silver clock", "orange towel", "purple pillow", "gold mirror",
             "navy curtain", "beige stool", "teal bowl", "olive basket", "cream blanket", "tan bench", "ivory candle")
+TOPICS = {"price": "get_price", "stock": "get_stock", "delivery": "get_delivery_days"}  # the tool for each
 QUESTIONS = {
     "get_price": ["How much does the {product} cost?", "What is the price of the {product}?",
                   "I'd like to buy the {product}. How much is it?"],
@@ -44,6 +45,10 @@ class Scenario:
     product: str
 
     @property
+    def topic(self) -> str:
+        return next(topic for topic, tool in TOPICS.items() if tool == self.tool)
+
+    @property
     def answer(self) -> str:
         return fact(self.tool, self.product)
 
@@ -65,16 +70,17 @@ def scenarios(split: str, count: int, seed: int = 0) -> list[Scenario]:
     return out
 
 
-def score(scenario: Scenario, requests: list[str], research_calls: list[tuple[str, dict]],
+def score(scenario: Scenario, requests: list[dict], research_calls: list[tuple[str, dict]],
           final_answer: str) -> dict[str, float]:
-    """Partial credit, 0.2 for each part: the supervisor's request to the sub-agent names the
-    product; the sub-agent calls the right catalogue tool, for the right product; the answer to
-    the customer carries the fact's number, in plain words rather than echoed markup."""
-    names_product = any(scenario.product in request.lower() for request in requests)
-    right_tool = any(name == scenario.tool for name, _ in research_calls)
-    right_product = any(args.get("product") == scenario.product for _, args in research_calls)
+    """Partial credit for each agent's part: the supervisor's request names the product and the
+    topic (0.1 each); the sub-agent calls the right catalogue tool, for the right product (0.1
+    each); the answer to the customer carries the fact's number (0.3), and says it in plain words
+    rather than echoed markup (0.3; words without the number earn nothing)."""
+    right_request = max((0.5 * (r.get("product") == scenario.product) + 0.5 * (r.get("topic") == scenario.topic)
+                         for r in requests), default=0.0)
+    right_lookup = max((0.5 * (name == scenario.tool) + 0.5 * (args.get("product") == scenario.product)
+                        for name, args in research_calls), default=0.0)
     has_number = scenario.number in final_answer
-    plain = bool(final_answer.strip()) and "<" not in final_answer
-    parts = {"names_product": names_product, "right_tool": right_tool, "right_product": right_product,
-             "has_number": has_number, "plain": plain}
-    return {**{name: float(value) for name, value in parts.items()}, "reward": 0.2 * sum(parts.values())}
+    plain = has_number and "<" not in final_answer
+    return {"right_request": right_request, "right_lookup": right_lookup, "has_number": float(has_number),
+            "plain": float(plain), "reward": 0.2 * right_request + 0.2 * right_lookup + 0.3 * has_number + 0.3 * plain}
