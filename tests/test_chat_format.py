@@ -170,6 +170,16 @@ def test_parse_arguments_as_string_and_parameters_alias(fmt):
     assert parsed.tool_calls[0].arguments == '{"x": "é"}'
 
 
+def test_parse_close_tag_inside_a_string_argument(fmt):
+    note = {"text": "wrap calls in <tool_call></tool_call> tags"}
+    parsed = fmt.parse("Writing it down.\n" + _call("write_note", note) + "\n" + _call("get_weather", {"city": "Oslo"}))
+    assert parsed.parse_error is None and parsed.content == "Writing it down."
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("write_note", note), ("get_weather", {"city": "Oslo"})]
+    unclosed = fmt.parse('<tool_call>\n{"name": "write_note", "arguments": {"text": "a </tool_call> b"}}')
+    assert json.loads(unclosed.tool_calls[0].arguments) == {"text": "a </tool_call> b"}
+
+
 def test_parse_bad_json_keeps_raw_text(fmt):
     broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
     text = "Sure.\n" + _call("get_weather", {"city": "Paris"}) + "\n" + broken

@@ -124,6 +124,30 @@ def _parse_call_body(body: str) -> ParsedToolCall:
     return ParsedToolCall(new_tool_call_id(), call["name"], _dumps(arguments))
 
 
+_JSON = json.JSONDecoder()
+
+
+def _call_block(text: str, body_start: int) -> tuple[str, int]:
+    """The body of the tool-call block opening at `body_start`, and where the block ends.
+
+    The body is read as JSON first, so a "</tool_call>" inside a string argument does not end
+    it; a body that is not JSON ends at the first close tag (and then fails to parse, flagged).
+    An unclosed last block is normal: generation stops at end-of-turn after the JSON."""
+    json_start = len(text) - len(text[body_start:].lstrip())
+    try:
+        _, json_end = _JSON.raw_decode(text, json_start)
+    except json.JSONDecodeError:
+        json_end = -1
+    if json_end != -1:
+        rest = text[json_end:]
+        if rest.lstrip().startswith(TOOL_CALL_CLOSE):
+            return text[body_start:json_end], len(text) - len(rest.lstrip()) + len(TOOL_CALL_CLOSE)
+        if not rest.strip():
+            return text[body_start:json_end], len(text)
+    end = text.find(TOOL_CALL_CLOSE, body_start)
+    return (text[body_start:], len(text)) if end == -1 else (text[body_start:end], end + len(TOOL_CALL_CLOSE))
+
+
 class ChatFormatter:
     def __init__(self, tokenizer: Any) -> None:
         template = getattr(tokenizer, "chat_template", None)
@@ -179,11 +203,7 @@ class ChatFormatter:
         pos = 0
         while (start := text.find(TOOL_CALL_OPEN, pos)) != -1:
             outside.append(text[pos:start])
-            body_start = start + len(TOOL_CALL_OPEN)
-            end = text.find(TOOL_CALL_CLOSE, body_start)
-            # An unclosed last block is normal: generation stops at end-of-turn after the JSON.
-            body = text[body_start:] if end == -1 else text[body_start:end]
-            pos = len(text) if end == -1 else end + len(TOOL_CALL_CLOSE)
+            body, pos = _call_block(text, start + len(TOOL_CALL_OPEN))
             try:
                 calls.append(_parse_call_body(body))
             except ValueError as exc:
