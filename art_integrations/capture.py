@@ -138,7 +138,7 @@ def fetch_tokens(scopes: list[CaptureScope]) -> None:
                                   headers=_headers(api_key))
             response.raise_for_status()
         except httpx.HTTPError as error:
-            for scope in {id(owner[id(c)]): owner[id(c)] for c in calls}.values():
+            for scope in dict.fromkeys(owner[id(c)] for c in calls):
                 scope.error(f"fetching tokens from {endpoint} failed: {error!r}")
             continue
         records = response.json()["records"]
@@ -148,7 +148,6 @@ def fetch_tokens(scopes: list[CaptureScope]) -> None:
         for items, index, call in scope.placeholders:
             if call.choice is not None:
                 items[index] = call.choice
-        scope.placeholders = [p for p in scope.placeholders if p[2].choice is None]
 
 
 _deferred: ContextVar[list[CaptureScope] | None] = ContextVar("art_capture_deferred", default=None)
@@ -233,9 +232,8 @@ def assemble(scope: CaptureScope) -> None:
     trajectory.additional_histories += [history for _, history, _ in others]
     # where each reply waiting for its tokens sits, in the lists the trajectory now holds
     scope.placeholders += [(trajectory.messages_and_choices, offset + i, call) for i, call in main_waiting]
-    for held, (_, _, waiting) in zip(trajectory.additional_histories[len(trajectory.additional_histories) - len(others):],
-                                     others):
-        scope.placeholders += [(held.messages_and_choices, i, call) for i, call in waiting]
+    scope.placeholders += [(history.messages_and_choices, i, call) for _, history, waiting in others
+                           for i, call in waiting]
     if others:
         trajectory.metadata.setdefault("additional_history_agents", []).extend(a or "main" for a, _, _ in others)
     nodes = sorted({str(c.metadata["langgraph_node"]) for c in calls if c.metadata.get("langgraph_node")})
@@ -268,7 +266,7 @@ class art_capture:  # noqa: N801 - used like a function: `with art_capture() as 
     def __exit__(self, *exc: object) -> None:
         self._close()
         self._finish()
-        if self._needs_fetch():
+        if self._fetch_now():
             fetch_tokens([self.scope])
 
     async def __aenter__(self) -> Trajectory:
@@ -277,7 +275,7 @@ class art_capture:  # noqa: N801 - used like a function: `with art_capture() as 
     async def __aexit__(self, *exc: object) -> None:
         self._close()
         self._finish()
-        if self._needs_fetch():
+        if self._fetch_now():
             await asyncio.to_thread(fetch_tokens, [self.scope])
 
     def _close(self) -> None:
@@ -291,9 +289,9 @@ class art_capture:  # noqa: N801 - used like a function: `with art_capture() as 
         except Exception:  # a bug here must not eat the rollout: keep it visible on the trajectory
             self.scope.error("assembling the trajectory failed:\n" + traceback.format_exc())
 
-    def _needs_fetch(self) -> bool:
-        """Whether a call's tokens must still be fetched now: False when none is missing, or
-        when a `deferred_token_fetch` around the capture takes the scope to fetch later."""
+    def _fetch_now(self) -> bool:
+        """Whether this exit must fetch missing tokens itself: not when none is missing, nor
+        under a `deferred_token_fetch`, whose pending list the scope then joins."""
         if all(call.choice is not None for call in self.scope.calls):
             return False
         pending = _deferred.get()

@@ -88,7 +88,8 @@ async def gather_trajectory_groups(
     total = sum(spec.n for spec in specs)
     budget = max_exceptions if isinstance(max_exceptions, int) else int(max_exceptions * total)
     limit = asyncio.Semaphore(max_concurrency or total or 1)
-    results: list[TrajectoryGroup | None] = [TrajectoryGroup(metadata=dict(spec.metadata)) for spec in specs]
+    gathered = [TrajectoryGroup(metadata=dict(spec.metadata)) for spec in specs]
+    results: list[TrajectoryGroup | None] = list(gathered)  # after_each may replace or drop (None) a group
     dropped: list[dict[str, Any]] = []
     failures: list[str] = []
     bar = tqdm(total=total, desc=desc, disable=not progress, unit="rollout")
@@ -109,7 +110,7 @@ async def gather_trajectory_groups(
                 raise
             except Exception as error:
                 trace = "".join(traceback.format_exception(error))
-                results[index].exceptions.append(trace)
+                gathered[index].exceptions.append(trace)
                 failures.append(trace)
                 if len(failures) > budget:
                     raise TooManyRolloutErrors(
@@ -118,7 +119,7 @@ async def gather_trajectory_groups(
             else:
                 if not isinstance(trajectory, Trajectory):
                     raise TypeError(f"a rollout returned {type(trajectory).__name__}, not a Trajectory")
-                results[index].trajectories.append(trajectory)
+                gathered[index].trajectories.append(trajectory)
                 rewards.append(trajectory.reward)
             finally:
                 bar.update(1)
@@ -129,10 +130,10 @@ async def gather_trajectory_groups(
         await asyncio.gather(*(run(index, spec) for _ in range(spec.n)))
         if pending[index]:
             await asyncio.to_thread(fetch_tokens, pending[index])
-        group = results[index]
-        tokens += sum(completion_tokens(t) for t in group.trajectories) if group is not None else 0
+        group = gathered[index]
+        tokens += sum(completion_tokens(t) for t in group.trajectories)
         show_progress()
-        if after_each is not None and group is not None:
+        if after_each is not None:
             outcome = after_each(group)
             if inspect.isawaitable(outcome):
                 outcome = await outcome

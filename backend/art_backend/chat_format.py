@@ -139,10 +139,10 @@ def _call_block(text: str, body_start: int) -> tuple[str, int]:
     except json.JSONDecodeError:
         json_end = -1
     if json_end != -1:
-        rest = text[json_end:]
-        if rest.lstrip().startswith(TOOL_CALL_CLOSE):
-            return text[body_start:json_end], len(text) - len(rest.lstrip()) + len(TOOL_CALL_CLOSE)
-        if not rest.strip():
+        after = text[json_end:].lstrip()
+        if after.startswith(TOOL_CALL_CLOSE):
+            return text[body_start:json_end], len(text) - len(after) + len(TOOL_CALL_CLOSE)
+        if not after:
             return text[body_start:json_end], len(text)
     end = text.find(TOOL_CALL_CLOSE, body_start)
     return (text[body_start:], len(text)) if end == -1 else (text[body_start:end], end + len(TOOL_CALL_CLOSE))

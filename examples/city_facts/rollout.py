@@ -26,7 +26,7 @@ EXAMPLE = Example(
     project="city-facts",
     model_prefix="city-agent",
     title="city-facts agent",
-    scenarios=lambda split, count, seed: scenarios(split, count, seed=seed),
+    scenarios=scenarios,
     rollout=rollout,
     metrics=("right_tool", "right_city", "has_number", "plain"),
     temperature=0.7,

@@ -50,7 +50,7 @@ EXAMPLE = Example(
     project="email-search",
     model_prefix="email-agent",
     title="email-search agent",
-    scenarios=lambda split, count, seed: scenarios(split, count, seed=seed),
+    scenarios=scenarios,
     rollout=rollout,
     metrics=("answer_right", "cited_source", "read_email"),
     max_tokens=96,

@@ -23,7 +23,7 @@ EXAMPLE = Example(
     project="llamaindex-units",
     model_prefix="units-agent",
     title="LlamaIndex unit-conversion agent",
-    scenarios=lambda split, count, seed: scenarios(split, count, seed=seed),
+    scenarios=scenarios,
     rollout=rollout,
     metrics=("right_tool", "right_units", "has_number", "plain"),
 )

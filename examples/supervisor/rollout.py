@@ -53,7 +53,7 @@ EXAMPLE = Example(
     project="supervisor",
     model_prefix="shop-supervisor",
     title="supervisor + research sub-agent",
-    scenarios=lambda split, count, seed: scenarios(split, count, seed=seed),
+    scenarios=scenarios,
     rollout=rollout,
     metrics=("right_request", "right_lookup", "has_number", "plain", "sub_agent_histories"),
     temperature=0.7,

@@ -27,7 +27,7 @@ EXAMPLE = Example(
     project="tic-tac-toe",
     model_prefix="tic-tac-toe-agent",
     title="tic-tac-toe agent",
-    scenarios=lambda split, count, seed: scenarios(split, count, seed=seed),
+    scenarios=scenarios,
     rollout=rollout,
     metrics=("win", "draw", "loss", "illegal_move", "legal_moves", "turns"),
     max_tokens=40,  # a make_move call is 29 tokens
