@@ -4,18 +4,19 @@ For each concurrency N (default 1, 8, 16), N distinct short chat prompts each ge
 `--new-tokens` new tokens (EOS ignored); printed is the aggregate generated tokens/s of:
   backend      a real `python -m art_backend serve` subprocess on a free loopback port, sent N
                concurrent requests with `openai.AsyncOpenAI` (each choice's `token_ids` counted);
-               once per `--logits-dtype` (float32: exact, the default; bfloat16: the opt-in
-               faster LM head);
+               once per `--dtype` (float32: the default, exact; bfloat16: the opt-in faster
+               weights);
   per-request  transformers `model.generate` once per request, one after another;
   padded       transformers `model.generate` on all N prompts as one left-padded batch.
-Sampling: temperature 1.0, top_p 1.0, no top_k. The server runs first and is stopped before
-the baselines, so they never share the CPU. Medians of `--repeats` runs. Targets at the highest
+Sampling: temperature 1.0, top_p 1.0, no top_k. Baselines load the model in the same dtype as
+the backend they are compared with. The server runs first and is stopped before the baselines,
+so they never share the CPU. Medians of `--repeats` runs. Targets at the highest
 concurrency: backend >= 10x per-request and >= 2x padded batch.
 
 Run from the repository root:
     PYTHONPATH=backend:. ART_BACKEND_CACHE_DIR=/tmp/artcache python benchmarks/bench_serving.py \
         [--concurrency 1,8,16] [--new-tokens 128] [--repeats 3] [--model DIR] [--json out.json] \
-        [--logits-dtype float32,bfloat16]
+        [--dtype float32,bfloat16]
 """
 
 from __future__ import annotations
@@ -80,17 +81,17 @@ async def concurrent_round(client: AsyncOpenAI, model: str, prompts: list[list[d
 
 
 def bench_backend(model: str | None, levels: list[int], new_tokens: int, repeats: int,
-                  logits_dtype: str) -> dict[int, float]:
+                  dtype: str) -> dict[int, float]:
     log = tempfile.NamedTemporaryFile(prefix="bench-serving-", suffix=".log", delete=False)
-    os.environ["ART_BACKEND_LOGITS_DTYPE"] = logits_dtype  # read by the child's settings
+    os.environ["ART_BACKEND_DTYPE"] = dtype  # read by the child's settings
     backend = LocalBackend(in_process=False, model=model, art_dir=tempfile.mkdtemp(), log_file=log.name)
-    print(f"Server on {backend.base_url} (logits {logits_dtype}), log {log.name}", flush=True)
+    print(f"Server on {backend.base_url} ({dtype}), log {log.name}", flush=True)
     try:
         with asyncio.Runner() as runner:
             client = AsyncOpenAI(base_url=f"{backend.base_url}/v1", api_key="unused", max_retries=0, timeout=1800.0)
             served = runner.run(served_model(client))
             runner.run(concurrent_round(client, served, chat_messages(1), min(8, new_tokens)))  # warm-up
-            rates = {n: measure(f"backend {logits_dtype}", n, n * new_tokens, repeats, lambda _, n=n: runner.run(
+            rates = {n: measure("backend", n, n * new_tokens, repeats, lambda _, n=n: runner.run(
                 concurrent_round(client, served, chat_messages(n), new_tokens))) for n in levels}
             runner.run(client.close())
         return rates
@@ -113,13 +114,13 @@ def hf_generate(model: Any, tokenizer: PreTrainedTokenizerBase, prompts: list[st
         raise RuntimeError(f"generate produced {generated} tokens, expected {new_tokens}")
 
 
-def bench_baselines(model_dir: Path, levels: list[int], new_tokens: int,
-                    repeats: int) -> tuple[dict[int, float], dict[int, float]]:
+def bench_baselines(model_dir: Path, levels: list[int], new_tokens: int, repeats: int,
+                    dtype: str) -> tuple[dict[int, float], dict[int, float]]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     hf_generate(model, tokenizer, render_prompts(tokenizer, 1), min(8, new_tokens))  # warm-up
     per_request, padded = {}, {}
     for n in levels:
@@ -132,40 +133,32 @@ def bench_baselines(model_dir: Path, levels: list[int], new_tokens: int,
     return per_request, padded
 
 
-def build_rows(levels: list[int], backends: dict[str, dict[int, float]], per_request: dict[int, float],
-               padded: dict[int, float]) -> list[dict[str, float]]:
-    rows = []
-    for n in levels:
-        row = {"concurrency": n, "per_request_tok_s": per_request[n], "padded_tok_s": padded[n]}
-        for dtype, rates in backends.items():
-            row[f"backend_{dtype}_tok_s"] = rates[n]
-            row[f"backend_{dtype}_over_per_request"] = rates[n] / per_request[n]
-            row[f"backend_{dtype}_over_padded"] = rates[n] / padded[n]
-        rows.append(row)
-    return rows
+def build_row(dtype: str, n: int, backend: float, per_request: float, padded: float) -> dict[str, Any]:
+    return {"dtype": dtype, "concurrency": n, "backend_tok_s": backend, "per_request_tok_s": per_request,
+            "padded_tok_s": padded, "over_per_request": backend / per_request, "over_padded": backend / padded}
 
 
-def print_table(rows: list[dict[str, float]], dtypes: list[str], new_tokens: int, repeats: int) -> None:
-    header = ("concurrency", *(f"backend {d} tok/s" for d in dtypes), "generate per-request tok/s",
-              "generate padded-batch tok/s", *(f"{d} / per-request" for d in dtypes), *(f"{d} / padded" for d in dtypes))
+def print_table(rows: list[dict[str, Any]], new_tokens: int, repeats: int) -> None:
+    header = ("dtype", "concurrency", "backend tok/s", "generate per-request tok/s", "generate padded-batch tok/s",
+              "backend / per-request", "backend / padded")
     print("\n" + " | ".join(header))
     for row in rows:
-        cells = (f"{row['concurrency']:.0f}", *(f"{row[f'backend_{d}_tok_s']:.1f}" for d in dtypes),
+        cells = (row["dtype"], f"{row['concurrency']}", f"{row['backend_tok_s']:.1f}",
                  f"{row['per_request_tok_s']:.1f}", f"{row['padded_tok_s']:.1f}",
-                 *(f"{row[f'backend_{d}_over_per_request']:.2f}x" for d in dtypes),
-                 *(f"{row[f'backend_{d}_over_padded']:.2f}x" for d in dtypes))
+                 f"{row['over_per_request']:.2f}x", f"{row['over_padded']:.2f}x")
         print(" | ".join(c.rjust(len(h)) for c, h in zip(cells, header)))
-    print(f"Medians of {repeats} repeat(s); {new_tokens} new tokens per request; aggregate generated tokens/s.")
+    print(f"Medians of {repeats} repeat(s); {new_tokens} new tokens per request; aggregate generated tokens/s. "
+          "Each row's baselines run transformers in the backend's dtype.")
     print("Per-request: one request timed per repeat; N sequential requests give "
-          f"N*{new_tokens} / (N * seconds per request), i.e. the single-request rate. Baselines run fp32.")
+          f"N*{new_tokens} / (N * seconds per request), i.e. the single-request rate.")
 
 
-def check_targets(row: dict[str, float], dtype: str) -> dict[str, bool]:
-    per_request, padded = row[f"backend_{dtype}_over_per_request"], row[f"backend_{dtype}_over_padded"]
-    checks = {f"backend {dtype} >= {PER_REQUEST_GAIN_TARGET:g}x per-request": per_request >= PER_REQUEST_GAIN_TARGET,
-              f"backend {dtype} >= {PADDED_GAIN_TARGET:g}x padded batch": padded >= PADDED_GAIN_TARGET}
+def check_targets(row: dict[str, Any]) -> dict[str, bool]:
+    prefix = f"{row['dtype']} at {row['concurrency']} concurrent: backend"
+    checks = {f"{prefix} >= {PER_REQUEST_GAIN_TARGET:g}x per-request": row["over_per_request"] >= PER_REQUEST_GAIN_TARGET,
+              f"{prefix} >= {PADDED_GAIN_TARGET:g}x padded batch": row["over_padded"] >= PADDED_GAIN_TARGET}
     for name, passed in checks.items():
-        print(f"Target at {row['concurrency']:.0f} concurrent: {name}: {'PASS' if passed else 'FAIL'}")
+        print(f"Target {name}: {'PASS' if passed else 'FAIL'}")
     return checks
 
 
@@ -176,24 +169,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    parser.add_argument("--logits-dtype", default="float32",
-                        help="comma-separated LM-head precisions to serve with: float32 (exact), bfloat16")
+    parser.add_argument("--dtype", default="float32",
+                        help="comma-separated serving precisions: float32 (the default, exact), bfloat16; "
+                             "transformers runs in the same dtype for that row's baselines")
     args = parser.parse_args()
     levels = [int(n) for n in args.concurrency.split(",")]
-    dtypes = args.logits_dtype.split(",")
+    dtypes = args.dtype.split(",")
     model_dir = resolve_model_dir(args.model, BackendSettings().cache_dir)
     print(f"Model {model_dir}; concurrency {levels}; {args.new_tokens} new tokens; {args.repeats} repeat(s); "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (other load skews these timings)")
     started = time.perf_counter()
-    backends = {dtype: bench_backend(args.model, levels, args.new_tokens, args.repeats, dtype) for dtype in dtypes}
-    per_request, padded = bench_baselines(model_dir, levels, args.new_tokens, args.repeats)
-    rows = build_rows(levels, backends, per_request, padded)
-    print_table(rows, dtypes, args.new_tokens, args.repeats)
-    top = max(rows, key=lambda row: row["concurrency"])
-    checks = {name: passed for dtype in dtypes for name, passed in check_targets(top, dtype).items()}
+    rows = []
+    for dtype in dtypes:
+        backend = bench_backend(args.model, levels, args.new_tokens, args.repeats, dtype)
+        per_request, padded = bench_baselines(model_dir, levels, args.new_tokens, args.repeats, dtype)
+        rows += [build_row(dtype, n, backend[n], per_request[n], padded[n]) for n in levels]
+    print_table(rows, args.new_tokens, args.repeats)
+    top = max(levels)
+    checks = {name: passed for row in rows if row["concurrency"] == top for name, passed in check_targets(row).items()}
     verdict = "all targets met" if all(checks.values()) else "some targets missed"
-    rates = ", ".join(f"{dtype} {top[f'backend_{dtype}_tok_s']:.1f}" for dtype in dtypes)
-    print(f"Summary: {verdict}; backend tok/s at {top['concurrency']:.0f} concurrent: {rates}; "
+    rates = ", ".join(f"{row['dtype']} {row['backend_tok_s']:.1f}" for row in rows if row["concurrency"] == top)
+    print(f"Summary: {verdict}; backend tok/s at {top} concurrent: {rates}; "
           f"took {time.perf_counter() - started:.0f} s; load average now {os.getloadavg()[0]:.2f}.")
     if args.json is not None:
         args.json.write_text(json.dumps({"model": str(model_dir), "new_tokens": args.new_tokens,

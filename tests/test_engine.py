@@ -46,14 +46,17 @@ def test_lean_forward_matches_transformers(model_fixture: str, request: pytest.F
     slots, positions = torch.arange(2), torch.arange(12)[None].expand(2, 12)
     prefill = lean.logits(lean.forward(ids, positions, slots, cache, torch.tensor([12, 12])))
     step = lean.logits(lean.forward(ids[:, :1], torch.tensor([[12], [12]]), slots, cache, torch.tensor([13, 13])))
-    torch.testing.assert_close(prefill, reference, atol=2e-4, rtol=1e-4)
-    torch.testing.assert_close(step[:, 0], reference_next, atol=2e-4, rtol=1e-4)
+    # oneDNN's packed matmuls sum in another order than transformers' MKL path: fp32 rounding
+    # differences, ~5e-4 at most on the embedded model's logits (magnitude ~20) after 30 layers
+    torch.testing.assert_close(prefill, reference, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(step[:, 0], reference_next, atol=1e-3, rtol=1e-4)
 
 
-def test_bf16_logits_stay_close_to_fp32_and_leave_the_trainer_model_alone(embedded_model_dir: Path) -> None:
+def test_bf16_serving_stays_close_to_fp32_and_leaves_the_trainer_model_alone(embedded_model_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(embedded_model_dir).eval()
-    exact, fast = LeanLlama(model, max_len=64), LeanLlama(model, max_len=64, logits_dtype=torch.bfloat16)
-    assert model.get_output_embeddings().weight.dtype == torch.float32 and fast.lm_head.dtype == torch.bfloat16
+    exact, fast = LeanLlama(model, max_len=64), LeanLlama(model, max_len=64, dtype=torch.bfloat16)
+    assert fast.layers[0]["gate_up"].weight.dtype == fast.lm_head.weight.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in model.parameters())
     ids = torch.tensor([[1, 504, 3458, 314, 4457, 30, 378, 1330, 314, 2421, 11, 1781]])
     logprobs = []
     for lean in (exact, fast):

@@ -15,7 +15,7 @@ def build_engine(settings: BackendSettings) -> TorchEngine:
     model_dir = resolve_model_dir(settings.model, settings.cache_dir)
     return TorchEngine(model_dir, served_model_name=settings.served_model_name,
                        max_model_len=settings.max_model_len, max_batch_size=settings.max_batch_size,
-                       threads=settings.threads, logits_dtype=settings.logits_dtype)
+                       threads=settings.threads, dtype=settings.dtype)
 
 
 def build_app(settings: BackendSettings) -> FastAPI:

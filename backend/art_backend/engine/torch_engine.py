@@ -91,27 +91,29 @@ class TorchEngine:
     def __init__(self, model_dir: Path, served_model_name: str | None = None,
                  max_model_len: int | None = None, max_batch_size: int = 64,
                  prefix_cache_tokens: int = 16384, threads: int | None = None,
-                 logits_dtype: str = "float32") -> None:
+                 dtype: str = "float32") -> None:
+        """`dtype`: the serving forward's weights and matmuls (see `LeanLlama`); on GPU always
+        the model's bfloat16."""
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        model_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         started = time.perf_counter()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=model_dtype).to(self.device).eval()
         config = self.model.config
         self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         if max_model_len is None:
             self.max_model_len = min(self.max_model_len, _MAX_CONTEXT)
         self.lean = LeanLlama(self.model, self.max_model_len,
-                              logits_dtype=None if self.device.type == "cuda" else getattr(torch, logits_dtype))
+                              dtype=None if self.device.type == "cuda" else getattr(torch, dtype))
         self.base_model_name = served_model_name or Path(model_dir).name
         self.max_batch_size = max_batch_size
         self.stop_ids = self._stop_token_ids()
         self.constrainer = Constrainer(self.tokenizer)
         self.peak_batch_size = 0  # most sequences decoded in one step so far
-        logger.info("Loaded %s in %.1f s on %s (LM head %s)", model_dir, time.perf_counter() - started, self.device,
-                    str(self.lean.lm_head.dtype).removeprefix("torch."))
+        logger.info("Loaded %s in %.1f s on %s (serving weights %s)", model_dir, time.perf_counter() - started,
+                    self.device, str(self.lean.weights_dtype).removeprefix("torch."))
 
         self._adapters: dict[str, LoraWeights | None] = {}  # None: the base model under another name
         self._trainer: LoraTrainer | None = None
