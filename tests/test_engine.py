@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,37 @@ async def test_concurrent_requests_share_decode_steps(embedded_engine: TorchEngi
     results = await asyncio.gather(*(_run(embedded_engine, r) for r in requests))
     assert all(len(r[0]["ids"]) == 16 for r in results)
     assert embedded_engine.peak_batch_size >= 8  # they were decoded together, not one after another
+
+
+async def test_requests_prefilled_together_decode_as_each_alone(embedded_model_dir: Path) -> None:
+    engine = TorchEngine(embedded_model_dir, prefix_cache_tokens=0)  # no KV kept between requests
+    try:
+        texts = ["Hi.", "What is the tallest mountain on Earth, and how tall is it?", "Name a color.",
+                 "Count from one to five, please."]
+        requests = [GenerationRequest(_prompt(engine, t), SamplingParams(max_tokens=8, temperature=0))
+                    for t in texts]
+        alone = [(await _run(engine, r))[0] for r in requests]
+        prefills: list[tuple[int, int]] = []
+        forward = engine.lean.forward
+
+        def recording(tokens: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+            if tokens.shape[1] > 1:
+                prefills.append(tuple(tokens.shape))
+            return forward(tokens, *args, **kwargs)
+
+        engine.lean.forward = recording  # type: ignore[method-assign]
+        together = await asyncio.gather(*(_run(engine, r) for r in requests))
+    finally:
+        await engine.close()
+    # the first alone; the other three reuse its KV of the shared system prompt and are padded
+    # to the longest of their remaining prompts in one forward
+    assert [rows for rows, _ in prefills] == [1, 3]
+    first = requests[0].prompt_ids
+    assert prefills[1][1] == max(len(r.prompt_ids) - len(os.path.commonprefix([first, r.prompt_ids]))
+                                 for r in requests[1:])
+    for one, batched in zip(alone, together):
+        assert batched[0]["ids"] == one["ids"]
+        assert batched[0]["logprobs"] == pytest.approx(one["logprobs"], abs=1e-3)
 
 
 async def test_lora_adapter_is_served_and_matches_peft(tiny_engine: TorchEngine, tmp_path: Path) -> None:

@@ -37,20 +37,27 @@ def _keep_top_p(probs: Tensor, top_p: Tensor) -> Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
+def _take_rows(block: Tensor, rows: list[int]) -> Tensor:
+    return block if len(rows) == block.shape[0] else block[rows]
+
+
 def sample(logits: Tensor, rows: list[RowSampling], allowed_logits: Tensor | None = None) -> Sampled:
     """`logits` [B, vocab] (float32) -> one token per row. `allowed_logits`: the same logits with
     tokens a grammar forbids set to -inf; tokens are then drawn from those."""
     device = logits.device
     temperature = torch.tensor([r.temperature for r in rows], device=device)
-    greedy = temperature == 0
-    scale = torch.where(greedy, 1.0, temperature)[:, None]
+    scale = torch.where(temperature == 0, 1.0, temperature)[:, None]
     logprobs = torch.log_softmax(logits / scale, dim=-1)
     drawn_from = logprobs if allowed_logits is None else torch.log_softmax(allowed_logits / scale, dim=-1)
-    tokens = drawn_from.argmax(dim=-1)
+    tokens = torch.empty(len(rows), dtype=torch.long, device=device)
+    # each pass below reads the whole [B, vocab] block: skip those no row needs
+    greedy_rows = [i for i, r in enumerate(rows) if r.temperature == 0]
+    if greedy_rows:
+        tokens[greedy_rows] = _take_rows(drawn_from, greedy_rows).argmax(dim=-1)
 
     sampled_rows = [i for i, r in enumerate(rows) if r.temperature > 0]
     if sampled_rows:
-        probs = drawn_from[sampled_rows].exp()
+        probs = _take_rows(drawn_from, sampled_rows).exp()
         top_p = torch.tensor([rows[i].top_p for i in sampled_rows], device=device)
         if bool((top_p < 1.0).any()):
             probs = _keep_top_p(probs, top_p)

@@ -289,47 +289,87 @@ class TorchEngine:
             self._send(request, error)
 
     def _admit(self) -> None:
+        """Prefill waiting requests, as many together as fit, until none is left."""
         while self._waiting:
-            with self._wake:
-                request = self._waiting[0]
-                if self._active and len(self._active) + request.spec.n > self.max_batch_size:
-                    return
-                self._waiting.popleft()
-            if request.aborted:
-                continue
+            batch = self._next_prefill_batch()
+            if not batch:
+                return
             try:
-                self._prefill(request)
+                self._prefill(batch)
             except Exception as error:
                 logger.exception("Prefill failed")
-                self._active = [s for s in self._active if s.request is not request]
-                self._send(request, error)
+                failed = {id(request) for request in batch}
+                self._active = [s for s in self._active if id(s.request) not in failed]
+                for request in batch:
+                    self._send(request, error)
 
-    def _prefill(self, request: _Request) -> None:
-        spec = request.spec
-        tokens = spec.prompt_ids
-        slot = len(self._active)
-        self._cache.reserve(slot + spec.n, len(tokens) + 1)
-        reused = self._reuse_prefix(tokens, request.adapter, slot)
-        new = torch.tensor([tokens[reused:]], device=self.device)
-        positions = torch.arange(reused, len(tokens), device=self.device)[None]
-        hidden = self.lean.forward(new, positions, torch.tensor([slot], device=self.device), self._cache,
-                                   torch.tensor([len(tokens)], device=self.device), self._lora([request.adapter]))
-        logits = self.lean.logits(hidden[0, -1:])
-        params = spec.params
-        for index in range(spec.n):
-            if index:
-                self._cache.move(slot, slot + index, len(tokens))
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
-            rows = RowSampling(params.temperature, params.top_p, params.top_logprobs, generator)
-            matcher = self.constrainer.matcher(params.grammar) if params.grammar is not None else None
-            self._active.append(_Sequence(request, index, list(tokens), [], rows, matcher))
-        self._accept(self._active[slot:], logits.expand(spec.n, -1))
+    def _next_prefill_batch(self) -> list[_Request]:
+        """Waiting requests to prefill in one forward. A request that shares more of its prompt
+        with one already taken than any cached KV covers waits for the next batch, where it
+        reuses that KV instead of recomputing it (the rollouts of a group share their prompt)."""
+        batch: list[_Request] = []
+        seats = len(self._active)
+        with self._wake:
+            for request in list(self._waiting):
+                if request.aborted:
+                    self._waiting.remove(request)
+                    continue
+                if (self._active or batch) and seats + request.spec.n > self.max_batch_size:
+                    break
+                prompt = request.spec.prompt_ids
+                shared = max((_common_prefix(other.spec.prompt_ids, prompt) for other in batch
+                              if other.adapter is request.adapter), default=0)
+                if shared > 1 and shared > self._find_prefix(prompt, request.adapter)[0]:
+                    break
+                self._waiting.remove(request)
+                batch.append(request)
+                seats += request.spec.n
+        return batch
 
-    def _reuse_prefix(self, tokens: list[int], adapter: LoraWeights | None, slot: int) -> int:
-        """Copy the longest cached KV prefix of `tokens` into `slot`; return its length. The
-        last token is always recomputed: its logits choose the first new token."""
+    def _prefill(self, batch: list[_Request]) -> None:
+        """One forward over the new prompt tokens of every request in `batch` (rows padded to
+        the longest), then the first sampled token of each of their `n` sequences."""
+        first_slot = len(self._active)
+        slots, starts, prompts = [], [], []
+        slot = first_slot
+        for request in batch:
+            prompt = request.spec.prompt_ids
+            self._cache.reserve(slot + request.spec.n, len(prompt) + 1)
+            slots.append(slot)
+            starts.append(self._reuse_prefix(prompt, request.adapter, slot))
+            prompts.append(prompt)
+            slot += request.spec.n
+        steps = max(len(p) - start for p, start in zip(prompts, starts))
+        # padding continues each row's positions (its KV lands past the row's length, where the
+        # row's own later tokens overwrite it before anything attends to it)
+        self._cache.reserve(slot, max(starts) + steps)
+        positions = torch.tensor([[min(start + t, self.max_model_len - 1) for t in range(steps)] for start in starts],
+                                 device=self.device)
+        tokens = torch.tensor([p[start:] + [0] * (steps - len(p) + start) for p, start in zip(prompts, starts)],
+                              device=self.device)
+        hidden = self.lean.forward(tokens, positions, torch.tensor(slots, device=self.device), self._cache,
+                                   torch.tensor([len(p) for p in prompts], device=self.device),
+                                   self._lora([request.adapter for request in batch]))
+        last = torch.tensor([len(p) - start - 1 for p, start in zip(prompts, starts)], device=self.device)
+        logits = self.lean.logits(hidden[torch.arange(len(batch), device=self.device), last])
+        for request, slot, prompt, row_logits in zip(batch, slots, prompts, logits):
+            params = request.spec.params
+            for index in range(request.spec.n):
+                if index:
+                    self._cache.move(slot, slot + index, len(prompt))
+                generator = None
+                if params.seed is not None:
+                    generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
+                rows = RowSampling(params.temperature, params.top_p, params.top_logprobs, generator)
+                matcher = self.constrainer.matcher(params.grammar) if params.grammar is not None else None
+                self._active.append(_Sequence(request, index, list(prompt), [], rows, matcher))
+        row_of_request = [row for row, request in enumerate(batch) for _ in range(request.spec.n)]
+        self._accept(self._active[first_slot:], logits[row_of_request])
+
+    def _find_prefix(self, tokens: list[int], adapter: LoraWeights | None,
+                     ) -> tuple[int, _Sequence | tuple[int, ...] | None]:
+        """The longest KV prefix of `tokens` held by an active sequence or the prefix store (at
+        most all but the last token: its logits choose the first new token), and its holder."""
         best, source = 0, None
         for seq in self._active:
             if seq.request.adapter is adapter:
@@ -341,7 +381,11 @@ class TorchEngine:
                 n = _common_prefix(list(key), tokens)
                 if n > best:
                     best, source = n, key
-        best = min(best, len(tokens) - 1)
+        return min(best, len(tokens) - 1), source
+
+    def _reuse_prefix(self, tokens: list[int], adapter: LoraWeights | None, slot: int) -> int:
+        """Copy the longest cached KV prefix of `tokens` into `slot`; return its length."""
+        best, source = self._find_prefix(tokens, adapter)
         if best <= 0:
             return 0
         if isinstance(source, _Sequence):
