@@ -9,9 +9,11 @@ For each concurrency N (default 1, 8, 16), N distinct short chat prompts each ge
   per-request  transformers `model.generate` once per request, one after another;
   padded       transformers `model.generate` on all N prompts as one left-padded batch.
 Sampling: temperature 1.0, top_p 1.0, no top_k. Baselines load the model in the same dtype as
-the backend they are compared with. The server runs first and is stopped before the baselines,
-so they never share the CPU. Medians of `--repeats` runs. Targets at the highest
-concurrency: backend >= 10x per-request and >= 2x padded batch.
+the backend they are compared with. Each repeat runs the three side by side (backend round,
+then padded batch, then one per-request generation; the idle server uses no CPU meanwhile), so
+a shared machine's drift hits all three alike; printed are the medians of `--repeats` rates and
+the medians of the per-repeat ratios. Targets at the highest concurrency: backend >= 10x
+per-request and >= 2x padded batch.
 
 Run from the repository root:
     PYTHONPATH=backend:. ART_BACKEND_CACHE_DIR=/tmp/artcache python benchmarks/bench_serving.py \
@@ -33,13 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from art_backend.config import BackendSettings
+from art_backend.model_store import resolve_model_dir
 from openai import AsyncOpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from art_backend.config import BackendSettings
 from art_integrations import LocalBackend
-from art_backend.model_store import resolve_model_dir
 
 PER_REQUEST_GAIN_TARGET = 10.0
 PADDED_GAIN_TARGET = 2.0
@@ -48,17 +50,6 @@ SAMPLING: dict[str, Any] = {"do_sample": True, "temperature": 1.0, "top_p": 1.0,
 
 def chat_messages(count: int) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": f"Write a short story about topic {i}."}] for i in range(count)]
-
-
-def measure(label: str, n: int, tokens: int, repeats: int, run_once: Callable[[int], object]) -> float:
-    """Time `run_once(repeat)` `repeats` times; print each rate; return the median tokens/s."""
-    timings = []
-    for r in range(repeats):
-        start = time.perf_counter()
-        run_once(r)
-        timings.append(time.perf_counter() - start)
-        print(f"  {label:<12} N={n:<3} repeat {r + 1}: {tokens / timings[-1]:8.1f} tok/s", flush=True)
-    return tokens / statistics.median(timings)
 
 
 async def one_request(client: AsyncOpenAI, model: str, messages: list[dict[str, str]], new_tokens: int) -> int:
@@ -80,25 +71,6 @@ async def concurrent_round(client: AsyncOpenAI, model: str, prompts: list[list[d
     await asyncio.gather(*(one_request(client, model, p, new_tokens) for p in prompts))
 
 
-def bench_backend(model: str | None, levels: list[int], new_tokens: int, repeats: int,
-                  dtype: str) -> dict[int, float]:
-    log = tempfile.NamedTemporaryFile(prefix="bench-serving-", suffix=".log", delete=False)
-    os.environ["ART_BACKEND_DTYPE"] = dtype  # read by the child's settings
-    backend = LocalBackend(in_process=False, model=model, art_dir=tempfile.mkdtemp(), log_file=log.name)
-    print(f"Server on {backend.base_url} ({dtype}), log {log.name}", flush=True)
-    try:
-        with asyncio.Runner() as runner:
-            client = AsyncOpenAI(base_url=f"{backend.base_url}/v1", api_key="unused", max_retries=0, timeout=1800.0)
-            served = runner.run(served_model(client))
-            runner.run(concurrent_round(client, served, chat_messages(1), min(8, new_tokens)))  # warm-up
-            rates = {n: measure("backend", n, n * new_tokens, repeats, lambda _, n=n: runner.run(
-                concurrent_round(client, served, chat_messages(n), new_tokens))) for n in levels}
-            runner.run(client.close())
-        return rates
-    finally:
-        backend.stop()
-
-
 def render_prompts(tokenizer: PreTrainedTokenizerBase, count: int) -> list[str]:
     return [tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             for messages in chat_messages(count)]
@@ -114,28 +86,56 @@ def hf_generate(model: Any, tokenizer: PreTrainedTokenizerBase, prompts: list[st
         raise RuntimeError(f"generate produced {generated} tokens, expected {new_tokens}")
 
 
-def bench_baselines(model_dir: Path, levels: list[int], new_tokens: int, repeats: int,
-                    dtype: str) -> tuple[dict[int, float], dict[int, float]]:
+def timed(run: Callable[..., object], *args: Any) -> float:
+    start = time.perf_counter()
+    run(*args)
+    return time.perf_counter() - start
+
+
+def bench_side_by_side(model: str | None, model_dir: Path, levels: list[int], new_tokens: int, repeats: int,
+                       dtype: str) -> list[dict[str, Any]]:
+    """Per concurrency and repeat: a backend round, a padded batch, one per-request generation."""
+    log = tempfile.NamedTemporaryFile(prefix="bench-serving-", suffix=".log", delete=False)  # noqa: SIM115 (kept for the reader)
+    os.environ["ART_BACKEND_DTYPE"] = dtype  # read by the child's settings
+    backend = LocalBackend(in_process=False, model=model, art_dir=tempfile.mkdtemp(), log_file=log.name)
+    print(f"Server on {backend.base_url} ({dtype}), log {log.name}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    hf_generate(model, tokenizer, render_prompts(tokenizer, 1), min(8, new_tokens))  # warm-up
-    per_request, padded = {}, {}
-    for n in levels:
-        prompts = render_prompts(tokenizer, n)
-        # One request per repeat: N sequential requests take exactly N times as long.
-        per_request[n] = measure("per-request", n, new_tokens, repeats,
-                                 lambda r: hf_generate(model, tokenizer, [prompts[r % n]], new_tokens))
-        padded[n] = measure("padded", n, n * new_tokens, repeats,
-                            lambda _: hf_generate(model, tokenizer, prompts, new_tokens))
-    return per_request, padded
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    rows = []
+    try:
+        with asyncio.Runner() as runner:
+            client = AsyncOpenAI(base_url=f"{backend.base_url}/v1", api_key="unused", max_retries=0, timeout=1800.0)
+            served = runner.run(served_model(client))
+            runner.run(concurrent_round(client, served, chat_messages(1), min(8, new_tokens)))  # warm-up
+            hf_generate(hf_model, tokenizer, render_prompts(tokenizer, 1), min(8, new_tokens))  # warm-up
+            for n in levels:
+                messages, prompts = chat_messages(n), render_prompts(tokenizer, n)
+                rates: dict[str, list[float]] = {"backend": [], "padded": [], "per_request": []}
+                for r in range(repeats):
+                    rates["backend"].append(n * new_tokens / timed(
+                        runner.run, concurrent_round(client, served, messages, new_tokens)))
+                    rates["padded"].append(n * new_tokens / timed(hf_generate, hf_model, tokenizer, prompts, new_tokens))
+                    # one request per repeat: N sequential requests take exactly N times as long
+                    rates["per_request"].append(new_tokens / timed(
+                        hf_generate, hf_model, tokenizer, [prompts[r % n]], new_tokens))
+                    print(f"  {dtype} N={n:<3} repeat {r + 1}: " + ", ".join(
+                        f"{name} {values[-1]:.1f}" for name, values in rates.items()) + " tok/s", flush=True)
+                rows.append(build_row(dtype, n, rates))
+            runner.run(client.close())
+    finally:
+        backend.stop()
+    return rows
 
 
-def build_row(dtype: str, n: int, backend: float, per_request: float, padded: float) -> dict[str, Any]:
-    return {"dtype": dtype, "concurrency": n, "backend_tok_s": backend, "per_request_tok_s": per_request,
-            "padded_tok_s": padded, "over_per_request": backend / per_request, "over_padded": backend / padded}
+def build_row(dtype: str, n: int, rates: dict[str, list[float]]) -> dict[str, Any]:
+    paired = list(zip(rates["backend"], rates["per_request"], rates["padded"]))
+    return {"dtype": dtype, "concurrency": n,
+            **{f"{name}_tok_s": statistics.median(values) for name, values in rates.items()},
+            "over_per_request": statistics.median(b / p for b, p, _ in paired),
+            "over_padded": statistics.median(b / p for b, _, p in paired), "repeats": rates}
 
 
 def print_table(rows: list[dict[str, Any]], new_tokens: int, repeats: int) -> None:
@@ -147,8 +147,8 @@ def print_table(rows: list[dict[str, Any]], new_tokens: int, repeats: int) -> No
                  f"{row['per_request_tok_s']:.1f}", f"{row['padded_tok_s']:.1f}",
                  f"{row['over_per_request']:.2f}x", f"{row['over_padded']:.2f}x")
         print(" | ".join(c.rjust(len(h)) for c, h in zip(cells, header)))
-    print(f"Medians of {repeats} repeat(s); {new_tokens} new tokens per request; aggregate generated tokens/s. "
-          "Each row's baselines run transformers in the backend's dtype.")
+    print(f"Medians of {repeats} repeat(s) (ratios: medians of each repeat's ratio); {new_tokens} new tokens per "
+          "request; aggregate generated tokens/s. Each row's baselines run transformers in the backend's dtype.")
     print("Per-request: one request timed per repeat; N sequential requests give "
           f"N*{new_tokens} / (N * seconds per request), i.e. the single-request rate.")
 
@@ -181,9 +181,7 @@ def main() -> None:
     started = time.perf_counter()
     rows = []
     for dtype in dtypes:
-        backend = bench_backend(args.model, levels, args.new_tokens, args.repeats, dtype)
-        per_request, padded = bench_baselines(model_dir, levels, args.new_tokens, args.repeats, dtype)
-        rows += [build_row(dtype, n, backend[n], per_request[n], padded[n]) for n in levels]
+        rows += bench_side_by_side(args.model, model_dir, levels, args.new_tokens, args.repeats, dtype)
     print_table(rows, args.new_tokens, args.repeats)
     top = max(levels)
     checks = {name: passed for row in rows if row["concurrency"] == top for name, passed in check_targets(row).items()}
