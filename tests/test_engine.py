@@ -37,6 +37,7 @@ async def _run(engine: TorchEngine, request: GenerationRequest) -> dict[int, dic
 def test_lean_forward_matches_transformers(model_fixture: str, request: pytest.FixtureRequest) -> None:
     model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(model_fixture)).eval()
     lean = LeanLlama(model, max_len=256)
+    assert lean.layers[0]["qkv"].packed == torch.backends.mkldnn.is_available()  # the fast path is the one tested
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
     with torch.no_grad():
@@ -186,3 +187,33 @@ async def test_lora_adapter_is_served_and_matches_peft(tiny_engine: TorchEngine,
 
     with pytest.raises(ModelNotServedError, match="tiny@2"):
         await _run(tiny_engine, GenerationRequest(prompt, SamplingParams(max_tokens=1), model="tiny@2"))
+
+
+async def test_adapter_and_base_rows_decode_together_as_each_alone(tiny_engine: TorchEngine, tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_engine.model.name_or_path).eval()
+    # some modules of a fused projection only: the others are zero blocks of the stacked B
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["k_proj", "up_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    peft_model.save_pretrained(tmp_path / "partial")
+    await tiny_engine.load_adapter("tiny-partial", tmp_path / "partial")
+    try:
+        prompt = _prompt(tiny_engine, "Tell me about rivers.")
+        with torch.no_grad():
+            expected = torch.log_softmax(peft_model(torch.tensor([prompt])).logits[0, -1], dim=-1)
+        requests = [GenerationRequest(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), model=m)
+                    for m in ("tiny-partial", None, "tiny-partial")]
+        alone = [(await _run(tiny_engine, r))[0] for r in requests[:2]]
+        together = [r[0] for r in await asyncio.gather(*(_run(tiny_engine, r) for r in requests))]
+    finally:
+        await tiny_engine.remove_adapter("tiny-partial")
+    assert alone[0]["ids"][0] == int(expected.argmax())
+    assert alone[0]["logprobs"][0] == pytest.approx(float(expected.max()), abs=1e-4)
+    assert alone[0]["ids"] != alone[1]["ids"]  # the adapter changes the output
+    for got, want in zip(together, [alone[0], alone[1], alone[0]]):
+        assert got["ids"] == want["ids"]
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)

@@ -23,36 +23,63 @@ scale * (x A_b^T) B_b^T, where A_b, B_b belong to that row's adapter (index 0 = 
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+logger = logging.getLogger(__name__)
+
+# the forward's fused projections and the Hugging Face modules each one stacks, in order
+PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+               "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+LORA_TARGETS = tuple(module for modules in PROJECTIONS.values() for module in modules)
 
 
 @dataclass
 class LoraWeights:
-    """One adapter: per layer and target module, A [r, in] and B [out, r] with B pre-scaled."""
+    """One adapter, per (layer, fused projection): A [R, in] stacks the A of every target module
+    in it and B [out, R] is block-diagonal with their scaled B, so one pair of matmuls gives the
+    whole projection's delta (a module the adapter lacks is a zero block)."""
 
     a: dict[tuple[int, str], Tensor]
     b: dict[tuple[int, str], Tensor]
 
 
+# A batch-size hint for oneDNN's reorder: decode batches; other sizes run correctly too.
+_PACKED_FOR_ROWS = 16
+
+
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU build multiplies oneDNN-packed `dtype` weights correctly (tried once)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    weight, x = torch.randn(8, 16).to(dtype), torch.randn(3, 16).to(dtype)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKED_FOR_ROWS)
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except RuntimeError as error:
+        logger.warning("oneDNN weight packing unavailable for %s (%s); serving with F.linear", dtype, error)
+        return False
+    if not torch.allclose(out.float(), F.linear(x, weight).float(), atol=0.1, rtol=0.05):
+        logger.warning("oneDNN packed %s matmuls disagree with F.linear on this CPU; serving with F.linear", dtype)
+        return False
+    return True
+
+
 class FrozenLinear:
     """y = x W^T + b with W frozen, stored in the fastest layout this device multiplies in `dtype`."""
 
-    # A batch-size hint for oneDNN's reorder: decode batches; other sizes run correctly too.
-    _PACKED_FOR_ROWS = 16
-
     def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.out_features = weight.shape[0]
         weight = weight.detach().to(dtype)
         self.bias = None if bias is None else bias.detach().to(dtype)
-        self.packed = weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, self._PACKED_FOR_ROWS) if self.packed else weight
+        self.packed = weight.device.type == "cpu" and onednn_packs(dtype)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKED_FOR_ROWS) if self.packed else weight
 
     def __call__(self, x: Tensor) -> Tensor:
         inputs = x.to(self.dtype)
@@ -175,14 +202,44 @@ class LeanLlama:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
+    def fuse_lora(self, a: dict[tuple[int, str], Tensor], b: dict[tuple[int, str], Tensor]) -> LoraWeights:
+        """`a`, `b`: per (layer, module) A [r, in] and scaled B [out, r] -> per fused projection."""
+        inter = self.config.intermediate_size
+        out_size = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size,
+                    "o_proj": self.config.hidden_size, "gate_proj": inter, "up_proj": inter,
+                    "down_proj": self.config.hidden_size}
+        fused_a: dict[tuple[int, str], Tensor] = {}
+        fused_b: dict[tuple[int, str], Tensor] = {}
+        for layer in range(len(self.layers)):
+            for projection, modules in PROJECTIONS.items():
+                present = [m for m in modules if (layer, m) in a]
+                if not present:
+                    continue
+                fused_a[(layer, projection)] = torch.cat([a[(layer, m)] for m in present])
+                block = torch.zeros(sum(out_size[m] for m in modules), sum(a[(layer, m)].shape[0] for m in present),
+                                    dtype=self.dtype, device=self.device)
+                row = col = 0
+                for module in modules:
+                    if module in present:
+                        part = b[(layer, module)]
+                        block[row:row + part.shape[0], col:col + part.shape[1]] = part
+                        col += part.shape[1]
+                    row += out_size[module]
+                fused_b[(layer, projection)] = block
+        return LoraWeights(fused_a, fused_b)
+
     @staticmethod
     def _lora(x: Tensor, key: tuple[int, str], lora: list[LoraWeights | None]) -> Tensor | None:
-        """Per-row LoRA deltas for one projection (rows grouped by adapter), or None."""
-        delta = None
+        """Per-row LoRA deltas for one fused projection (rows grouped by adapter), or None."""
         groups: dict[int, tuple[LoraWeights, list[int]]] = {}
         for row, adapter in enumerate(lora):
             if adapter is not None and key in adapter.a:
                 groups.setdefault(id(adapter), (adapter, []))[1].append(row)
+        if len(groups) == 1:
+            adapter, rows = next(iter(groups.values()))
+            if len(rows) == len(lora):  # one adapter for the whole batch (a rollout step): no gather/scatter
+                return (x @ adapter.a[key].T) @ adapter.b[key].T
+        delta = None
         for adapter, rows in groups.values():
             d = (x[rows] @ adapter.a[key].T) @ adapter.b[key].T
             if delta is None:
@@ -190,24 +247,11 @@ class LeanLlama:
             delta[rows] = d
         return delta
 
-    def _project(self, x: Tensor, linear: FrozenLinear, layer: int, names: tuple[str, ...],
+    def _project(self, x: Tensor, linear: FrozenLinear, layer: int, projection: str,
                  lora: list[LoraWeights | None] | None) -> Tensor:
         out = linear(x)
-        if lora is None:
-            return out
-        parts = [self._lora(x, (layer, name), lora) for name in names]
-        if all(p is None for p in parts):
-            return out
-        sizes = [s.shape[-1] for s in out.split(self._split_sizes(names), dim=-1)]
-        deltas = [p if p is not None else out.new_zeros(*out.shape[:-1], s) for p, s in zip(parts, sizes)]
-        return out + torch.cat(deltas, dim=-1)
-
-    def _split_sizes(self, names: tuple[str, ...]) -> list[int]:
-        inter = self.config.intermediate_size
-        size = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size,
-                "o_proj": self.config.hidden_size, "gate_proj": inter, "up_proj": inter,
-                "down_proj": self.config.hidden_size}
-        return [size[n] for n in names]
+        delta = None if lora is None else self._lora(x, (layer, projection), lora)
+        return out if delta is None else out + delta
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, cache: KVCache,
@@ -231,7 +275,7 @@ class LeanLlama:
         heads = self.n_heads + self.n_kv
         for i, w in enumerate(self.layers):
             h = self._rms(x, w["ln1"])
-            qkv = self._project(h, w["qkv"], i, ("q_proj", "k_proj", "v_proj"), lora)
+            qkv = self._project(h, w["qkv"], i, "qkv", lora)
             qk = qkv[..., : self.q_size + self.kv_size].view(batch, steps, heads, self.head_dim)
             v = qkv[..., self.q_size + self.kv_size:].view(batch, steps, self.n_kv, self.head_dim)
             if w["q_norm"] is not None:
@@ -247,10 +291,10 @@ class LeanLlama:
                 keys, values = cache.k[i, slots, :, :span], cache.v[i, slots, :, :span]
             att = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
             att = att.transpose(1, 2).reshape(batch, steps, self.q_size)
-            x = x + self._project(att, w["o"], i, ("o_proj",), lora)
+            x = x + self._project(att, w["o"], i, "o", lora)
             h = self._rms(x, w["ln2"])
-            gate, up = self._project(h, w["gate_up"], i, ("gate_proj", "up_proj"), lora).chunk(2, dim=-1)
-            x = x + self._project(F.silu(gate) * up, w["down"], i, ("down_proj",), lora)
+            gate, up = self._project(h, w["gate_up"], i, "gate_up", lora).chunk(2, dim=-1)
+            x = x + self._project(F.silu(gate) * up, w["down"], i, "down", lora)
         return self._rms(x, self.norm)
 
     @torch.no_grad()

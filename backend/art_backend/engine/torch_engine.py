@@ -241,7 +241,7 @@ class TorchEngine:
                 a[(layer, module)] = tensor.to(dtype)
             else:
                 b[(layer, module)] = (tensor * scale).to(dtype)
-        return LoraWeights(a, b)
+        return self.lean.fuse_lora(a, b)
 
     # ----- the worker thread ------------------------------------------------------------
 
@@ -319,6 +319,7 @@ class TorchEngine:
                 prompt = request.spec.prompt_ids
                 shared = max((_common_prefix(other.spec.prompt_ids, prompt) for other in batch
                               if other.adapter is request.adapter), default=0)
+                shared = min(shared, len(prompt) - 1)  # the last token is recomputed anyway
                 if shared > 1 and shared > self._find_prefix(prompt, request.adapter)[0]:
                     break
                 self._waiting.remove(request)
