@@ -36,8 +36,9 @@ smoke: setup
 test: setup browser
 	$(BIN)/python -m pytest
 
+# ARGS="--dtype float32,bfloat16" adds the bf16 rows (each against transformers in bf16)
 bench-serving: setup
-	$(BIN)/python benchmarks/bench_serving.py
+	$(BIN)/python benchmarks/bench_serving.py $(ARGS)
 
 bench-training: setup
 	$(BIN)/python benchmarks/bench_training.py
