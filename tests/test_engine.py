@@ -128,6 +128,24 @@ async def test_concurrent_requests_share_decode_steps(embedded_engine: TorchEngi
     assert embedded_engine.peak_batch_size >= 8  # they were decoded together, not one after another
 
 
+async def _prefill_shapes_and_results(engine: TorchEngine, requests: list[GenerationRequest],
+                                      ) -> tuple[list[tuple[int, int]], list[dict[int, dict]]]:
+    """Run `requests` concurrently, recording the [rows, tokens] of every multi-token forward."""
+    prefills: list[tuple[int, int]] = []
+    forward = engine.lean.forward
+
+    def recording(tokens: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if tokens.shape[1] > 1:
+            prefills.append((tokens.shape[0], tokens.shape[1]))
+        return forward(tokens, *args, **kwargs)
+
+    engine.lean.forward = recording  # type: ignore[method-assign]
+    try:
+        return prefills, await asyncio.gather(*(_run(engine, r) for r in requests))
+    finally:
+        del engine.lean.forward
+
+
 async def test_requests_prefilled_together_decode_as_each_alone(embedded_model_dir: Path) -> None:
     engine = TorchEngine(embedded_model_dir, prefix_cache_tokens=0)  # no KV kept between requests
     try:
@@ -136,24 +154,27 @@ async def test_requests_prefilled_together_decode_as_each_alone(embedded_model_d
         requests = [GenerationRequest(_prompt(engine, t), SamplingParams(max_tokens=8, temperature=0))
                     for t in texts]
         alone = [(await _run(engine, r))[0] for r in requests]
-        prefills: list[tuple[int, int]] = []
-        forward = engine.lean.forward
+        prefills, together = await _prefill_shapes_and_results(engine, requests)
 
-        def recording(tokens: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-            if tokens.shape[1] > 1:
-                prefills.append(tuple(tokens.shape))
-            return forward(tokens, *args, **kwargs)
-
-        engine.lean.forward = recording  # type: ignore[method-assign]
-        together = await asyncio.gather(*(_run(engine, r) for r in requests))
+        # a long new prompt is not padded into a batch of short ones beyond half padding
+        long_text = "Summarize this. " + "The river runs past the old mill and the bridge. " * 12
+        mixed = [GenerationRequest(_prompt(engine, t), SamplingParams(max_tokens=2, temperature=0))
+                 for t in ["Hi there.", long_text, "Name a fruit.", "Name a tree.", "Name a bird."]]
+        mixed_prefills, _ = await _prefill_shapes_and_results(engine, mixed)
     finally:
         await engine.close()
+    first = requests[0].prompt_ids
+    new = [len(r.prompt_ids) - len(os.path.commonprefix([first, r.prompt_ids])) for r in requests]
     # the first alone; the other three reuse its KV of the shared system prompt and are padded
     # to the longest of their remaining prompts in one forward
-    assert [rows for rows, _ in prefills] == [1, 3]
-    first = requests[0].prompt_ids
-    assert prefills[1][1] == max(len(r.prompt_ids) - len(os.path.commonprefix([first, r.prompt_ids]))
-                                 for r in requests[1:])
+    assert prefills == [(1, len(first)), (3, max(new[1:]))]
+    first = mixed[0].prompt_ids
+    new = [len(r.prompt_ids) - len(os.path.commonprefix([first, r.prompt_ids])) for r in mixed]
+    assert new[1] > 4 * max(new[2:])
+    # the long one and one short one (half padding at most), then the other two short ones
+    # (which may reuse more than the system prompt: "Name a " of the one before them)
+    assert [rows for rows, _ in mixed_prefills] == [1, 2, 2]
+    assert mixed_prefills[1][1] == new[1] and mixed_prefills[2][1] <= max(new[3:])
     for one, batched in zip(alone, together):
         assert batched[0]["ids"] == one["ids"]
         assert batched[0]["logprobs"] == pytest.approx(one["logprobs"], abs=1e-3)

@@ -304,11 +304,12 @@ class TorchEngine:
                     self._send(request, error)
 
     def _next_prefill_batch(self) -> list[_Request]:
-        """Waiting requests to prefill in one forward. A request that shares more of its prompt
-        with one already taken than any cached KV covers waits for the next batch, where it
-        reuses that KV instead of recomputing it (the rollouts of a group share their prompt)."""
+        """Waiting requests to prefill in one forward, in arrival order. The batch ends before a
+        request that shares more of its prompt with one already taken than any cached KV covers
+        (next batch, it reuses that KV instead of recomputing it: a group's rollouts share their
+        prompt), or whose padding would make over half of the forward's tokens padding."""
         batch: list[_Request] = []
-        seats = len(self._active)
+        seats, new_tokens, widest = len(self._active), 0, 0
         with self._wake:
             for request in list(self._waiting):
                 if request.aborted:
@@ -317,14 +318,18 @@ class TorchEngine:
                 if (self._active or batch) and seats + request.spec.n > self.max_batch_size:
                     break
                 prompt = request.spec.prompt_ids
+                cached = self._find_prefix(prompt, request.adapter)[0]
                 shared = max((_common_prefix(other.spec.prompt_ids, prompt) for other in batch
                               if other.adapter is request.adapter), default=0)
                 shared = min(shared, len(prompt) - 1)  # the last token is recomputed anyway
-                if shared > 1 and shared > self._find_prefix(prompt, request.adapter)[0]:
+                if shared > 1 and shared > cached:
+                    break
+                new = len(prompt) - cached
+                if batch and (len(batch) + 1) * max(widest, new) > 2 * (new_tokens + new):
                     break
                 self._waiting.remove(request)
                 batch.append(request)
-                seats += request.spec.n
+                seats, new_tokens, widest = seats + request.spec.n, new_tokens + new, max(widest, new)
         return batch
 
     def _prefill(self, batch: list[_Request]) -> None:
