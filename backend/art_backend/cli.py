@@ -52,7 +52,7 @@ def serve(
     art_dir: Annotated[Optional[Path], typer.Option(
         help="Where trained models live (default .art). Env: ART_BACKEND_ART_DIR.")] = None,
     dtype: Annotated[Optional[str], typer.Option(
-        help="CPU: float32 (default) or bfloat16, the serving forward's weights and matmuls (bfloat16: ~1.5x "
+        help="CPU: float32 (default) or bfloat16, the serving forward's weights and matmuls (bfloat16: ~1.2x "
              "faster on AVX512-BF16/AMX CPUs, sampled logprobs ~0.03 nats off the fp32 trainer's). "
              "Env: ART_BACKEND_DTYPE.")] = None,
 ) -> None:

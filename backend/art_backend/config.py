@@ -41,6 +41,6 @@ class BackendSettings(BaseSettings):
     max_batch_size: int = Field(default=64, description="Sequences decoded together in one step.")
     threads: int | None = Field(default=None, description="torch CPU threads. Default: all cores.")
     dtype: Literal["float32", "bfloat16"] = Field(
-        default="float32", description="CPU: the serving forward's weights and matmuls. bfloat16 is ~1.5x faster "
+        default="float32", description="CPU: the serving forward's weights and matmuls. bfloat16 is ~1.2x faster "
         "on CPUs with AVX512-BF16 or AMX; sampled logprobs then differ from the fp32 trainer's by ~0.03 nats on "
         "average. The trainer stays in float32. On GPU the model's bfloat16 is always used.")
