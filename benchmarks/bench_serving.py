@@ -95,7 +95,7 @@ def timed(run: Callable[..., object], *args: Any) -> float:
 def bench_side_by_side(model: str | None, model_dir: Path, levels: list[int], new_tokens: int, repeats: int,
                        dtype: str) -> list[dict[str, Any]]:
     """Per concurrency and repeat: a backend round, a padded batch, one per-request generation."""
-    log = tempfile.NamedTemporaryFile(prefix="bench-serving-", suffix=".log", delete=False)  # noqa: SIM115 (kept for the reader)
+    log = tempfile.NamedTemporaryFile(prefix="bench-serving-", suffix=".log", delete=False)  # noqa: SIM115 - the log outlives this run
     os.environ["ART_BACKEND_DTYPE"] = dtype  # read by the child's settings
     backend = LocalBackend(in_process=False, model=model, art_dir=tempfile.mkdtemp(), log_file=log.name)
     print(f"Server on {backend.base_url} ({dtype}), log {log.name}", flush=True)

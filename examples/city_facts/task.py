@@ -2,8 +2,9 @@
 
 Each scenario asks one fact (weather, local time or population) about one city. The agent
 must pick the matching tool with the city as argument, then answer in plain words with the
-fact the tool returned (the base model mostly echoes the tool's markup instead). The reward gives partial credit for each part, so rollouts of the
-small base model score differently within a group (the signal GRPO learns from).
+fact the tool returned (the base model mostly echoes the tool's markup instead). The reward
+gives partial credit for each part, so rollouts of the small base model score differently
+within a group (the signal GRPO learns from).
 """
 
 from __future__ import annotations

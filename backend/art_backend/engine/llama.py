@@ -13,9 +13,9 @@ trainer keeps the Hugging Face model.
 
 `dtype=torch.bfloat16` (opt-in on CPU, the default on GPU) keeps those weights in bf16 and
 multiplies bf16 inputs, ~1.2x faster end to end on CPUs with AVX512-BF16 or AMX; norms,
-attention and the residual stream stay in the model's dtype. Sampled logprobs then differ from the fp32 trainer's
-by ~0.03 nats on average (KL ~7e-4 per token on the embedded model); they are still the
-sampler's own, and the loss's importance ratio absorbs the difference.
+attention and the residual stream stay in the model's dtype. Sampled logprobs then differ from
+the fp32 trainer's by ~0.03 nats on average (KL ~7e-4 per token on the embedded model); they
+are still the sampler's own, and the loss's importance ratio absorbs the difference.
 
 LoRA adapters are applied unmerged, per row: row b of a batch adds
 scale * (x A_b^T) B_b^T, where A_b, B_b belong to that row's adapter (index 0 = none).

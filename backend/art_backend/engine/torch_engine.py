@@ -85,6 +85,10 @@ class _PrefixEntry:
     v: torch.Tensor
 
 
+# a cached KV prefix: its length, and who holds it (an active sequence or a prefix-store key)
+_PrefixHit = tuple[int, _Sequence | tuple[int, ...] | None]
+
+
 class TorchEngine:
     """Serves a local Hugging Face model directory (see `Engine` for the interface)."""
 
@@ -298,17 +302,18 @@ class TorchEngine:
                 self._prefill(batch)
             except Exception as error:
                 logger.exception("Prefill failed")
-                failed = {id(request) for request in batch}
+                failed = {id(request) for request, _ in batch}
                 self._active = [s for s in self._active if id(s.request) not in failed]
-                for request in batch:
+                for request, _ in batch:
                     self._send(request, error)
 
-    def _next_prefill_batch(self) -> list[_Request]:
+    def _next_prefill_batch(self) -> list[tuple[_Request, _PrefixHit]]:
         """Waiting requests to prefill in one forward, in arrival order. The batch ends before a
         request that shares more of its prompt with one already taken than any cached KV covers
         (next batch, it reuses that KV instead of recomputing it: a group's rollouts share their
-        prompt), or whose padding would make over half of the forward's tokens padding."""
-        batch: list[_Request] = []
+        prompt), or whose padding would make over half of the forward's tokens padding. Each
+        request comes with the cached KV prefix it will reuse."""
+        batch: list[tuple[_Request, _PrefixHit]] = []
         seats, new_tokens, widest = len(self._active), 0, 0
         with self._wake:
             for request in list(self._waiting):
@@ -318,8 +323,9 @@ class TorchEngine:
                 if (self._active or batch) and seats + request.spec.n > self.max_batch_size:
                     break
                 prompt = request.spec.prompt_ids
-                cached = self._find_prefix(prompt, request.adapter)[0]
-                shared = max((_common_prefix(other.spec.prompt_ids, prompt) for other in batch
+                hit = self._find_prefix(prompt, request.adapter)
+                cached = hit[0]
+                shared = max((_common_prefix(other.spec.prompt_ids, prompt) for other, _ in batch
                               if other.adapter is request.adapter), default=0)
                 shared = min(shared, len(prompt) - 1)  # the last token is recomputed anyway
                 if shared > 1 and shared > cached:
@@ -328,21 +334,21 @@ class TorchEngine:
                 if batch and (len(batch) + 1) * max(widest, new) > 2 * (new_tokens + new):
                     break
                 self._waiting.remove(request)
-                batch.append(request)
+                batch.append((request, hit))
                 seats, new_tokens, widest = seats + request.spec.n, new_tokens + new, max(widest, new)
         return batch
 
-    def _prefill(self, batch: list[_Request]) -> None:
+    def _prefill(self, batch: list[tuple[_Request, _PrefixHit]]) -> None:
         """One forward over the new prompt tokens of every request in `batch` (rows padded to
         the longest), then the first sampled token of each of their `n` sequences."""
         first_slot = len(self._active)
         slots, starts, prompts = [], [], []
         slot = first_slot
-        for request in batch:
+        for request, hit in batch:
             prompt = request.spec.prompt_ids
             self._cache.reserve(slot + request.spec.n, len(prompt) + 1)
             slots.append(slot)
-            starts.append(self._reuse_prefix(prompt, request.adapter, slot))
+            starts.append(self._copy_prefix(hit, slot))
             prompts.append(prompt)
             slot += request.spec.n
         steps = max(len(p) - start for p, start in zip(prompts, starts))
@@ -355,10 +361,10 @@ class TorchEngine:
                               device=self.device)
         hidden = self.lean.forward(tokens, positions, torch.tensor(slots, device=self.device), self._cache,
                                    torch.tensor([len(p) for p in prompts], device=self.device),
-                                   self._lora([request.adapter for request in batch]))
+                                   self._lora([request.adapter for request, _ in batch]))
         last = torch.tensor([len(p) - start - 1 for p, start in zip(prompts, starts)], device=self.device)
         logits = self.lean.logits(hidden[torch.arange(len(batch), device=self.device), last])
-        for request, slot, prompt, row_logits in zip(batch, slots, prompts, logits):
+        for (request, _), slot, prompt in zip(batch, slots, prompts):
             params = request.spec.params
             for index in range(request.spec.n):
                 if index:
@@ -369,11 +375,10 @@ class TorchEngine:
                 rows = RowSampling(params.temperature, params.top_p, params.top_logprobs, generator)
                 matcher = self.constrainer.matcher(params.grammar) if params.grammar is not None else None
                 self._active.append(_Sequence(request, index, list(prompt), [], rows, matcher))
-        row_of_request = [row for row, request in enumerate(batch) for _ in range(request.spec.n)]
+        row_of_request = [row for row, (request, _) in enumerate(batch) for _ in range(request.spec.n)]
         self._accept(self._active[first_slot:], logits[row_of_request])
 
-    def _find_prefix(self, tokens: list[int], adapter: LoraWeights | None,
-                     ) -> tuple[int, _Sequence | tuple[int, ...] | None]:
+    def _find_prefix(self, tokens: list[int], adapter: LoraWeights | None) -> _PrefixHit:
         """The longest KV prefix of `tokens` held by an active sequence or the prefix store (at
         most all but the last token: its logits choose the first new token), and its holder."""
         best, source = 0, None
@@ -389,9 +394,9 @@ class TorchEngine:
                     best, source = n, key
         return min(best, len(tokens) - 1), source
 
-    def _reuse_prefix(self, tokens: list[int], adapter: LoraWeights | None, slot: int) -> int:
-        """Copy the longest cached KV prefix of `tokens` into `slot`; return its length."""
-        best, source = self._find_prefix(tokens, adapter)
+    def _copy_prefix(self, hit: _PrefixHit, slot: int) -> int:
+        """Copy a prefix found by `_find_prefix` into `slot`; return its length."""
+        best, source = hit
         if best <= 0:
             return 0
         if isinstance(source, _Sequence):
