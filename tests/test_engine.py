@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ async def _run(engine: TorchEngine, request: GenerationRequest) -> dict[int, dic
 def test_lean_forward_matches_transformers(model_fixture: str, request: pytest.FixtureRequest) -> None:
     model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(model_fixture)).eval()
     lean = LeanLlama(model, max_len=256)
-    assert lean.layers[0]["qkv"].packed == torch.backends.mkldnn.is_available()  # the fast path is the one tested
+    assert lean.linears[0]["qkv"].packed == torch.backends.mkldnn.is_available()  # the fast path is the one tested
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
     with torch.no_grad():
@@ -57,7 +58,7 @@ def test_lean_forward_matches_transformers(model_fixture: str, request: pytest.F
 def test_bf16_serving_stays_close_to_fp32_and_leaves_the_trainer_model_alone(embedded_model_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(embedded_model_dir).eval()
     exact, fast = LeanLlama(model, max_len=64), LeanLlama(model, max_len=64, dtype=torch.bfloat16)
-    assert fast.layers[0]["gate_up"].weight.dtype == fast.lm_head.weight.dtype == torch.bfloat16
+    assert fast.linears[0]["gate_up"].weight.dtype == fast.lm_head.weight.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in model.parameters())
     ids = torch.tensor([[1, 504, 3458, 314, 4457, 30, 378, 1330, 314, 2421, 11, 1781]])
     logprobs = []
@@ -180,17 +181,27 @@ async def test_requests_prefilled_together_decode_as_each_alone(embedded_model_d
         assert batched[0]["logprobs"] == pytest.approx(one["logprobs"], abs=1e-3)
 
 
-async def test_lora_adapter_is_served_and_matches_peft(tiny_engine: TorchEngine, tmp_path: Path) -> None:
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _random_adapter(engine: TorchEngine, path: Path, target_modules: list[str], seed: int = 0) -> Any:
+    """Save a peft LoRA adapter of `engine`'s model with random B (peft starts it at zero) to
+    `path`; return the peft model."""
     from peft import LoraConfig, get_peft_model
 
-    base = AutoModelForCausalLM.from_pretrained(tiny_engine.model.name_or_path).eval()
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-    with torch.no_grad():  # B starts at zero; make the adapter do something
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(engine.model.name_or_path).eval()
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=target_modules))
+    with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.5)
-    peft_model.save_pretrained(tmp_path / "adapter")
+    peft_model.save_pretrained(path)
+    return peft_model
+
+
+async def test_lora_adapter_is_served_and_matches_peft(tiny_engine: TorchEngine, tmp_path: Path) -> None:
+    peft_model = _random_adapter(tiny_engine, tmp_path / "adapter", ALL_TARGETS)
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
 
     await tiny_engine.load_adapter("tiny@1", tmp_path / "adapter")
@@ -211,16 +222,8 @@ async def test_lora_adapter_is_served_and_matches_peft(tiny_engine: TorchEngine,
 
 
 async def test_adapter_and_base_rows_decode_together_as_each_alone(tiny_engine: TorchEngine, tmp_path: Path) -> None:
-    from peft import LoraConfig, get_peft_model
-
-    base = AutoModelForCausalLM.from_pretrained(tiny_engine.model.name_or_path).eval()
     # some modules of a fused projection only: the others are zero blocks of the stacked B
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["k_proj", "up_proj", "down_proj"]))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.5)
-    peft_model.save_pretrained(tmp_path / "partial")
+    peft_model = _random_adapter(tiny_engine, tmp_path / "partial", ["k_proj", "up_proj", "down_proj"])
     await tiny_engine.load_adapter("tiny-partial", tmp_path / "partial")
     try:
         prompt = _prompt(tiny_engine, "Tell me about rivers.")
@@ -238,3 +241,36 @@ async def test_adapter_and_base_rows_decode_together_as_each_alone(tiny_engine: 
     for got, want in zip(together, [alone[0], alone[1], alone[0]]):
         assert got["ids"] == want["ids"]
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+
+
+async def test_the_adapter_loaded_last_decodes_merged_as_unmerged(tiny_engine: TorchEngine, tmp_path: Path) -> None:
+    first = _random_adapter(tiny_engine, tmp_path / "first", ALL_TARGETS, seed=1)
+    _random_adapter(tiny_engine, tmp_path / "second", ["q_proj", "v_proj"], seed=2)
+    prompt = _prompt(tiny_engine, "Count to ten.")
+    with torch.no_grad():
+        expected = torch.log_softmax(first(torch.tensor([prompt])).logits[0, -1], dim=-1)
+
+    def request(model: str) -> GenerationRequest:
+        return GenerationRequest(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), model=model)
+
+    try:
+        # a checkpoint under two names, as training serves it: one adapter, merged
+        await tiny_engine.load_adapter("tiny-first@1", tmp_path / "first")
+        await tiny_engine.load_adapter("tiny-first", tmp_path / "first")
+        adapter = tiny_engine.resolve_adapter("tiny-first")
+        assert adapter is tiny_engine.resolve_adapter("tiny-first@1") and adapter is not None
+        assert adapter.merged is not None
+        merged = (await _run(tiny_engine, request("tiny-first")))[0]
+
+        await tiny_engine.load_adapter("tiny-second", tmp_path / "second")
+        second = tiny_engine.resolve_adapter("tiny-second")
+        assert second is not None and second.merged is not None
+        assert adapter.merged is None  # one merged copy at a time
+        unmerged = (await _run(tiny_engine, request("tiny-first@1")))[0]
+    finally:
+        for name in ("tiny-first@1", "tiny-first", "tiny-second"):
+            await tiny_engine.remove_adapter(name)
+    assert merged["ids"][0] == int(expected.argmax())
+    assert merged["logprobs"][0] == pytest.approx(float(expected.max()), abs=1e-4)
+    assert merged["ids"] == unmerged["ids"]
+    assert merged["logprobs"] == pytest.approx(unmerged["logprobs"], abs=1e-4)

@@ -18,7 +18,10 @@ the fp32 trainer's by ~0.03 nats on average (KL ~7e-4 per token on the embedded 
 are still the sampler's own, and the loss's importance ratio absorbs the difference.
 
 LoRA adapters are applied unmerged, per row: row b of a batch adds
-scale * (x A_b^T) B_b^T, where A_b, B_b belong to that row's adapter (index 0 = none).
+scale * (x A_b^T) B_b^T, where A_b, B_b belong to that row's adapter. An adapter may also carry
+merged weights, W + scale * B A packed like the base ones: a batch whose rows all use it (a
+rollout step) then costs what the base model costs, at the price of a dense copy of the
+adapted projections.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ logger = logging.getLogger(__name__)
 # the forward's fused projections and the Hugging Face modules each one stacks, in order
 PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
                "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+_BLOCK_OF = {"qkv": "self_attn", "o": "self_attn", "gate_up": "mlp", "down": "mlp"}  # where those modules live
 LORA_TARGETS = tuple(module for modules in PROJECTIONS.values() for module in modules)
 
 
@@ -47,6 +51,7 @@ class LoraWeights:
 
     a: dict[tuple[int, str], Tensor]
     b: dict[tuple[int, str], Tensor]
+    merged: list[dict[str, FrozenLinear]] | None = None  # per layer, from `LeanLlama.merge`
 
 
 # A batch-size hint for oneDNN's reorder: decode batches; other sizes run correctly too.
@@ -159,27 +164,18 @@ class LeanLlama:
         self.weights_dtype = dtype or self.dtype
         self.norm = inner.norm.weight
         self.lm_head = FrozenLinear(model.get_output_embeddings().weight, None, self.weights_dtype)
-        self.layers = []
+        # the model's own Linear modules: peft later wraps them for training but keeps these
+        # objects (and their frozen weights) as its base layers, so `merge` can re-read them
+        self._modules = [{projection: [getattr(getattr(layer, _BLOCK_OF[projection]), name) for name in names]
+                          for projection, names in PROJECTIONS.items()} for layer in inner.layers]
+        self.norms: list[dict[str, Tensor | None]] = [
+            {"ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
+             "q_norm": getattr(getattr(layer.self_attn, "q_norm", None), "weight", None),
+             "k_norm": getattr(getattr(layer.self_attn, "k_norm", None), "weight", None)}
+            for layer in inner.layers]
         with torch.no_grad():
-            for layer in inner.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                qkv_bias = None
-                if attn.q_proj.bias is not None:
-                    qkv_bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
-                qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-                gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-                self.layers.append(
-                    {
-                        "ln1": layer.input_layernorm.weight,
-                        "qkv": FrozenLinear(qkv, qkv_bias, self.weights_dtype),
-                        "q_norm": getattr(getattr(attn, "q_norm", None), "weight", None),
-                        "k_norm": getattr(getattr(attn, "k_norm", None), "weight", None),
-                        "o": FrozenLinear(attn.o_proj.weight, None, self.weights_dtype),
-                        "ln2": layer.post_attention_layernorm.weight,
-                        "gate_up": FrozenLinear(gate_up, None, self.weights_dtype),
-                        "down": FrozenLinear(mlp.down_proj.weight, None, self.weights_dtype),
-                    }
-                )
+            self.linears = [{projection: FrozenLinear(*self._fused(i, projection), self.weights_dtype)
+                             for projection in PROJECTIONS} for i in range(len(inner.layers))]
         rotary = inner.rotary_emb
         positions = torch.arange(max_len, device=self.device)[None]
         with torch.no_grad():
@@ -190,10 +186,34 @@ class LeanLlama:
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
 
-    def new_cache(self) -> KVCache:
-        return KVCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device)
+    def _fused(self, layer: int, projection: str) -> tuple[Tensor, Tensor | None]:
+        """A fused projection's weight [out, in] and bias (None unless every module has one)."""
+        modules = self._modules[layer][projection]
+        biases = [module.bias for module in modules]
+        bias = None if any(b is None for b in biases) else torch.cat(biases).detach()
+        return torch.cat([module.weight for module in modules]).detach(), bias
 
-    def _rms(self, x: Tensor, w: Tensor) -> Tensor:
+    @torch.no_grad()
+    def merge(self, lora: LoraWeights) -> list[dict[str, FrozenLinear]]:
+        """Per layer, the fused projections with `lora` added (W + B A), in the base weights'
+        layout; projections the adapter lacks are the base ones, shared."""
+        merged = []
+        for i, base in enumerate(self.linears):
+            linears = {}
+            for projection in PROJECTIONS:
+                key = (i, projection)
+                if key in lora.a:
+                    weight, bias = self._fused(i, projection)
+                    linears[projection] = FrozenLinear(weight + lora.b[key] @ lora.a[key], bias, self.weights_dtype)
+                else:
+                    linears[projection] = base[projection]
+            merged.append(linears)
+        return merged
+
+    def new_cache(self) -> KVCache:
+        return KVCache(len(self.linears), self.n_kv, self.head_dim, self.dtype, self.device)
+
+    def _rms(self, x: Tensor, w: Tensor | None) -> Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
     @staticmethod
@@ -210,7 +230,7 @@ class LeanLlama:
                     "down_proj": self.config.hidden_size}
         fused_a: dict[tuple[int, str], Tensor] = {}
         fused_b: dict[tuple[int, str], Tensor] = {}
-        for layer in range(len(self.layers)):
+        for layer in range(len(self.linears)):
             for projection, modules in PROJECTIONS.items():
                 present = [m for m in modules if (layer, m) in a]
                 if not present:
@@ -273,14 +293,17 @@ class LeanLlama:
         contiguous = bool(torch.equal(slots, torch.arange(batch, device=slots.device)))
         rows = slots[:, None].expand(batch, steps)
         heads = self.n_heads + self.n_kv
-        for i, w in enumerate(self.layers):
-            h = self._rms(x, w["ln1"])
-            qkv = self._project(h, w["qkv"], i, "qkv", lora)
+        linears = self.linears
+        if lora is not None and lora[0] is not None and lora[0].merged is not None and all(a is lora[0] for a in lora):
+            linears, lora = lora[0].merged, None  # one merged adapter for the whole batch
+        for i, (norms, linear) in enumerate(zip(self.norms, linears)):
+            h = self._rms(x, norms["ln1"])
+            qkv = self._project(h, linear["qkv"], i, "qkv", lora)
             qk = qkv[..., : self.q_size + self.kv_size].view(batch, steps, heads, self.head_dim)
             v = qkv[..., self.q_size + self.kv_size:].view(batch, steps, self.n_kv, self.head_dim)
-            if w["q_norm"] is not None:
+            if norms["q_norm"] is not None:
                 q, k = qk.split((self.n_heads, self.n_kv), dim=2)
-                qk = torch.cat((self._rms(q, w["q_norm"]), self._rms(k, w["k_norm"])), dim=2)
+                qk = torch.cat((self._rms(q, norms["q_norm"]), self._rms(k, norms["k_norm"])), dim=2)
             q, k = self._rope(qk, cos, sin).split((self.n_heads, self.n_kv), dim=2)  # [B, T, heads, hd]
             # advanced indexing on (slot, position) puts those dims first: [B, T, kv, hd]
             cache.k[i][rows, :, positions] = k
@@ -291,10 +314,10 @@ class LeanLlama:
                 keys, values = cache.k[i, slots, :, :span], cache.v[i, slots, :, :span]
             att = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
             att = att.transpose(1, 2).reshape(batch, steps, self.q_size)
-            x = x + self._project(att, w["o"], i, "o", lora)
-            h = self._rms(x, w["ln2"])
-            gate, up = self._project(h, w["gate_up"], i, "gate_up", lora).chunk(2, dim=-1)
-            x = x + self._project(F.silu(gate) * up, w["down"], i, "down", lora)
+            x = x + self._project(att, linear["o"], i, "o", lora)
+            h = self._rms(x, norms["ln2"])
+            gate, up = self._project(h, linear["gate_up"], i, "gate_up", lora).chunk(2, dim=-1)
+            x = x + self._project(F.silu(gate) * up, linear["down"], i, "down", lora)
         return self._rms(x, self.norm)
 
     @torch.no_grad()

@@ -120,6 +120,9 @@ class TorchEngine:
                     self.device, str(self.lean.weights_dtype).removeprefix("torch."))
 
         self._adapters: dict[str, LoraWeights | None] = {}  # None: the base model under another name
+        self._adapter_paths: dict[str, Path] = {}
+        # merged copies only at full precision: in bf16 a small W + B A delta would round away
+        self._merge_adapters = self.lean.weights_dtype == torch.float32
         self._trainer: LoraTrainer | None = None
         self._cache = self.lean.new_cache()
         self._active: list[_Sequence] = []
@@ -149,17 +152,45 @@ class TorchEngine:
         return [self.base_model_name, *self._adapters]
 
     async def load_adapter(self, name: str, path: Path | None) -> None:
-        weights = None if path is None else await asyncio.to_thread(self._read_adapter, Path(path))
-        await asyncio.to_thread(self._set_adapter, name, weights)
+        """Serve the adapter at `path` (None: the base model) as `name`. The adapter loaded last
+        also gets merged weights (see `LeanLlama.merge`): the rollouts of a training run, which all
+        use the newest checkpoint, then decode as fast as the base model."""
+        if path is None:
+            await asyncio.to_thread(self._set_adapter, name, None, None)
+            return
+        path = Path(path).resolve()
+        weights = await asyncio.to_thread(self._adapter_at, path)
+        await asyncio.to_thread(self._set_adapter, name, weights, path)
 
-    def _set_adapter(self, name: str, weights: LoraWeights | None) -> None:
+    def _adapter_at(self, path: Path) -> LoraWeights:
+        """The adapter already served from `path` (a checkpoint served under two names is one
+        adapter: its rows batch and share cached prefixes), else the one read from there."""
+        for name, source in list(self._adapter_paths.items()):
+            served = self._adapters.get(name)
+            if source == path and served is not None:
+                return served
+        weights = self._read_adapter(path)
+        if self._merge_adapters:
+            weights.merged = self.lean.merge(weights)
+        return weights
+
+    def _set_adapter(self, name: str, weights: LoraWeights | None, path: Path | None) -> None:
         with self._model_lock:
+            if weights is not None and weights.merged is not None:
+                for other in self._adapters.values():
+                    if other is not None and other is not weights:
+                        other.merged = None  # one merged copy at a time: it is as large as the weights
             self._adapters[name] = weights
+            if path is None:
+                self._adapter_paths.pop(name, None)
+            else:
+                self._adapter_paths[name] = path
 
     async def remove_adapter(self, name: str) -> None:
         def remove() -> None:
             with self._model_lock:
                 self._adapters.pop(name, None)
+                self._adapter_paths.pop(name, None)
 
         await asyncio.to_thread(remove)
 
@@ -194,7 +225,7 @@ class TorchEngine:
         await asyncio.to_thread(self._worker.join)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[SequenceDelta]:
-        adapter = self._resolve(request.model)
+        adapter = self.resolve_adapter(request.model)
         total = len(request.prompt_ids)
         if request.params.grammar is not None:
             self.constrainer.check(request.params.grammar)
@@ -216,7 +247,8 @@ class TorchEngine:
         finally:
             state.aborted = remaining > 0
 
-    def _resolve(self, model: str | None) -> LoraWeights | None:
+    def resolve_adapter(self, model: str | None) -> LoraWeights | None:
+        """The adapter a request for `model` runs with (None: the base model)."""
         if model is None or model == self.base_model_name:
             return None
         if model in self._adapters:
