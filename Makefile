@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup browser run smoke test bench-serving bench-training bench-capture clean
+.PHONY: setup browser run smoke test bench-serving bench-lora-serving bench-training bench-capture clean
 
 $(BIN)/.installed: pyproject.toml backend/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,9 @@ test: setup browser
 # ARGS="--dtype float32,bfloat16" adds the bf16 rows (each against transformers in bf16)
 bench-serving: setup
 	$(BIN)/python benchmarks/bench_serving.py $(ARGS)
+
+bench-lora-serving: setup
+	$(BIN)/python benchmarks/bench_lora_serving.py $(ARGS)
 
 bench-training: setup
 	$(BIN)/python benchmarks/bench_training.py

@@ -1,0 +1,129 @@
+"""Serving a LoRA adapter on CPU: the embedded engine with the adapter merged, unmerged, and none.
+
+Rollouts of a training run all use the newest checkpoint, which the engine serves with merged
+weights (W + B A, packed like the base weights); other adapters, and batches that mix adapters,
+are applied unmerged (two small matmuls per fused projection). For each concurrency N, N
+distinct chat prompts each get exactly `--new-tokens` new tokens (temperature 1); printed is the
+aggregate generated tokens/s of the base model, the adapter merged, and the same adapter
+unmerged. Each repeat runs the three side by side on one engine (no HTTP), so a shared
+machine's drift hits all three alike; printed are medians of rates and of per-repeat ratios.
+The adapter is peft's, rank `--rank` on every projection, with random B (peft starts it at zero).
+
+Run from the repository root:
+    PYTHONPATH=backend:. ART_BACKEND_CACHE_DIR=/tmp/artcache python benchmarks/bench_lora_serving.py \
+        [--concurrency 1,16] [--new-tokens 128] [--repeats 3] [--rank 8] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from art_backend.config import BackendSettings
+from art_backend.engine.base import GenerationRequest, SamplingParams
+from art_backend.engine.torch_engine import TorchEngine
+from art_backend.model_store import resolve_model_dir
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+ADAPTER = "bench-adapter"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def save_random_adapter(model_dir: Path, rank: int, path: Path) -> None:
+    torch.manual_seed(0)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                                LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.01)
+    peft_model.save_pretrained(path)
+
+
+async def one_request(engine: TorchEngine, prompt: list[int], model: str | None, new_tokens: int) -> int:
+    generated = 0
+    request = GenerationRequest(prompt, SamplingParams(max_tokens=new_tokens, temperature=1.0, ignore_eos=True),
+                                model=model)
+    async for delta in engine.generate(request):
+        generated += len(delta.token_ids)
+    if generated != new_tokens:
+        raise RuntimeError(f"expected {new_tokens} generated tokens, got {generated}")
+    return generated
+
+
+async def tokens_per_second(engine: TorchEngine, prompts: list[list[int]], model: str | None, new_tokens: int) -> float:
+    started = time.perf_counter()
+    generated = sum(await asyncio.gather(*(one_request(engine, p, model, new_tokens) for p in prompts)))
+    return generated / (time.perf_counter() - started)
+
+
+async def bench(engine: TorchEngine, levels: list[int], new_tokens: int, repeats: int) -> list[dict[str, float]]:
+    adapter = engine.resolve_adapter(ADAPTER)
+    assert adapter is not None and adapter.merged is not None, "the adapter loaded last is served merged"
+    merged = adapter.merged
+    tokenizer = engine.tokenizer
+    rows = []
+    for n in levels:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Write a short story about topic {i}."}],
+                                                 add_generation_prompt=True) for i in range(n)]
+        prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+        rates: dict[str, list[float]] = {"base": [], "merged": [], "unmerged": []}
+        for r in range(repeats):
+            rates["base"].append(await tokens_per_second(engine, prompts, None, new_tokens))
+            adapter.merged = merged
+            rates["merged"].append(await tokens_per_second(engine, prompts, ADAPTER, new_tokens))
+            adapter.merged = None
+            rates["unmerged"].append(await tokens_per_second(engine, prompts, ADAPTER, new_tokens))
+            print(f"  N={n:<3} repeat {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()) + " tok/s",
+                  flush=True)
+        adapter.merged = merged
+        rows.append({"concurrency": n, **{k: statistics.median(v) for k, v in rates.items()},
+                     "merged_over_unmerged": statistics.median(m / u for m, u in zip(rates["merged"], rates["unmerged"])),
+                     "merged_over_base": statistics.median(m / b for m, b in zip(rates["merged"], rates["base"]))})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", default="1,16", help="comma-separated request counts")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
+    args = parser.parse_args()
+    levels = [int(n) for n in args.concurrency.split(",")]
+    model_dir = resolve_model_dir(args.model, BackendSettings().cache_dir)
+    print(f"Model {model_dir}; LoRA rank {args.rank} on {len(TARGETS)} projections; concurrency {levels}; "
+          f"{args.new_tokens} new tokens; {args.repeats} repeat(s); {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.2f} (other load skews these timings)", flush=True)
+    started = time.perf_counter()
+    engine = TorchEngine(model_dir)
+    with tempfile.TemporaryDirectory() as scratch:
+        save_random_adapter(model_dir, args.rank, Path(scratch))
+        loading = time.perf_counter()
+        asyncio.run(engine.load_adapter(ADAPTER, Path(scratch)))
+        load_seconds = time.perf_counter() - loading
+    rows = asyncio.run(bench(engine, levels, args.new_tokens, args.repeats))
+    asyncio.run(engine.close())
+
+    print("\nconcurrency | base tok/s | adapter merged tok/s | adapter unmerged tok/s | merged / unmerged | merged / base")
+    for row in rows:
+        print(f"{row['concurrency']:>11} | {row['base']:>10.1f} | {row['merged']:>20.1f} | {row['unmerged']:>22.1f} | "
+              f"{row['merged_over_unmerged']:>16.2f}x | {row['merged_over_base']:>12.2f}x")
+    print(f"Medians of {args.repeats} repeat(s) (ratios: medians of each repeat's ratio); {args.new_tokens} new tokens "
+          f"per request; aggregate generated tokens/s.")
+    top = rows[-1]
+    print(f"Summary: at {top['concurrency']} concurrent the merged adapter serves {top['merged_over_unmerged']:.2f}x "
+          f"the unmerged one and {top['merged_over_base']:.2f}x the base model; loading (reading and merging) took "
+          f"{load_seconds:.2f} s; took {time.perf_counter() - started:.0f} s.")
+
+
+if __name__ == "__main__":
+    main()
