@@ -267,8 +267,12 @@ async def test_the_adapter_loaded_last_decodes_merged_as_unmerged(tiny_engine: T
         assert second is not None and second.merged is not None
         assert adapter.merged is None  # one merged copy at a time
         unmerged = (await _run(tiny_engine, request("tiny-first@1")))[0]
+
+        await tiny_engine.load_adapter("tiny-first-again", tmp_path / "first")  # loaded last again: merged again
+        assert tiny_engine.resolve_adapter("tiny-first-again") is adapter
+        assert adapter.merged is not None and second.merged is None
     finally:
-        for name in ("tiny-first@1", "tiny-first", "tiny-second"):
+        for name in ("tiny-first@1", "tiny-first", "tiny-second", "tiny-first-again"):
             await tiny_engine.remove_adapter(name)
     assert merged["ids"][0] == int(expected.argmax())
     assert merged["logprobs"][0] == pytest.approx(float(expected.max()), abs=1e-4)

@@ -294,8 +294,10 @@ class LeanLlama:
         rows = slots[:, None].expand(batch, steps)
         heads = self.n_heads + self.n_kv
         linears = self.linears
-        if lora is not None and lora[0] is not None and lora[0].merged is not None and all(a is lora[0] for a in lora):
-            linears, lora = lora[0].merged, None  # one merged adapter for the whole batch
+        if lora is not None and lora[0] is not None:
+            adapter, merged = lora[0], lora[0].merged  # read once: a load may set it meanwhile
+            if merged is not None and all(a is adapter for a in lora):
+                linears, lora = merged, None  # one merged adapter for the whole batch
         for i, (norms, linear) in enumerate(zip(self.norms, linears)):
             h = self._rms(x, norms["ln1"])
             qkv = self._project(h, linear["qkv"], i, "qkv", lora)

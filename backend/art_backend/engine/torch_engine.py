@@ -164,13 +164,11 @@ class TorchEngine:
 
     def _adapter_at(self, path: Path) -> LoraWeights:
         """The adapter already served from `path` (a checkpoint served under two names is one
-        adapter: its rows batch and share cached prefixes), else the one read from there."""
-        for name, source in list(self._adapter_paths.items()):
-            served = self._adapters.get(name)
-            if source == path and served is not None:
-                return served
-        weights = self._read_adapter(path)
-        if self._merge_adapters:
+        adapter: its rows batch and share cached prefixes), else the one read from there; with
+        merged weights unless the serving dtype rules them out."""
+        served = (self._adapters.get(name) for name, source in list(self._adapter_paths.items()) if source == path)
+        weights = next((w for w in served if w is not None), None) or self._read_adapter(path)
+        if self._merge_adapters and weights.merged is None:
             weights.merged = self.lean.merge(weights)
         return weights
 
