@@ -27,19 +27,20 @@ from pathlib import Path
 import torch
 from art_backend.config import BackendSettings
 from art_backend.engine.base import GenerationRequest, SamplingParams
+from art_backend.engine.llama import LORA_TARGETS
 from art_backend.engine.torch_engine import TorchEngine
 from art_backend.model_store import resolve_model_dir
+from bench_serving import render_prompts
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 ADAPTER = "bench-adapter"
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def save_random_adapter(model_dir: Path, rank: int, path: Path) -> None:
     torch.manual_seed(0)
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                                LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
+                                LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LORA_TARGETS)))
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
@@ -71,9 +72,7 @@ async def bench(engine: TorchEngine, levels: list[int], new_tokens: int, repeats
     tokenizer = engine.tokenizer
     rows = []
     for n in levels:
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Write a short story about topic {i}."}],
-                                                 add_generation_prompt=True) for i in range(n)]
-        prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+        prompts = [tokenizer.encode(prompt, add_special_tokens=False) for prompt in render_prompts(tokenizer, n)]
         rates: dict[str, list[float]] = {"base": [], "merged": [], "unmerged": []}
         for r in range(repeats):
             rates["base"].append(await tokens_per_second(engine, prompts, None, new_tokens))
@@ -100,7 +99,7 @@ def main() -> None:
     args = parser.parse_args()
     levels = [int(n) for n in args.concurrency.split(",")]
     model_dir = resolve_model_dir(args.model, BackendSettings().cache_dir)
-    print(f"Model {model_dir}; LoRA rank {args.rank} on {len(TARGETS)} projections; concurrency {levels}; "
+    print(f"Model {model_dir}; LoRA rank {args.rank} on {len(LORA_TARGETS)} projections; concurrency {levels}; "
           f"{args.new_tokens} new tokens; {args.repeats} repeat(s); {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.2f} (other load skews these timings)", flush=True)
     started = time.perf_counter()

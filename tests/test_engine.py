@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from art_backend.engine.base import GenerationRequest, ModelNotServedError, SamplingParams
-from art_backend.engine.llama import LeanLlama
+from art_backend.engine.llama import LORA_TARGETS, LeanLlama
 from art_backend.engine.torch_engine import TorchEngine
 
 
@@ -181,9 +181,6 @@ async def test_requests_prefilled_together_decode_as_each_alone(embedded_model_d
         assert batched[0]["logprobs"] == pytest.approx(one["logprobs"], abs=1e-3)
 
 
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
 def _random_adapter(engine: TorchEngine, path: Path, target_modules: list[str], seed: int = 0) -> Any:
     """Save a peft LoRA adapter of `engine`'s model with random B (peft starts it at zero) to
     `path`; return the peft model."""
@@ -201,7 +198,7 @@ def _random_adapter(engine: TorchEngine, path: Path, target_modules: list[str], 
 
 
 async def test_lora_adapter_is_served_and_matches_peft(tiny_engine: TorchEngine, tmp_path: Path) -> None:
-    peft_model = _random_adapter(tiny_engine, tmp_path / "adapter", ALL_TARGETS)
+    peft_model = _random_adapter(tiny_engine, tmp_path / "adapter", list(LORA_TARGETS))
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
 
     await tiny_engine.load_adapter("tiny@1", tmp_path / "adapter")
@@ -244,7 +241,7 @@ async def test_adapter_and_base_rows_decode_together_as_each_alone(tiny_engine: 
 
 
 async def test_the_adapter_loaded_last_decodes_merged_as_unmerged(tiny_engine: TorchEngine, tmp_path: Path) -> None:
-    first = _random_adapter(tiny_engine, tmp_path / "first", ALL_TARGETS, seed=1)
+    first = _random_adapter(tiny_engine, tmp_path / "first", list(LORA_TARGETS), seed=1)
     _random_adapter(tiny_engine, tmp_path / "second", ["q_proj", "v_proj"], seed=2)
     prompt = _prompt(tiny_engine, "Count to ten.")
     with torch.no_grad():

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,7 @@ class LoraWeights:
     a: dict[tuple[int, str], Tensor]
     b: dict[tuple[int, str], Tensor]
     merged: list[dict[str, FrozenLinear]] | None = None  # per layer, from `LeanLlama.merge`
+    source: Path | None = None  # the adapter directory it was read from
 
 
 # A batch-size hint for oneDNN's reorder: decode batches; other sizes run correctly too.

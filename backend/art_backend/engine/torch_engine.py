@@ -120,7 +120,6 @@ class TorchEngine:
                     self.device, str(self.lean.weights_dtype).removeprefix("torch."))
 
         self._adapters: dict[str, LoraWeights | None] = {}  # None: the base model under another name
-        self._adapter_paths: dict[str, Path] = {}
         # merged copies only at full precision: in bf16 a small W + B A delta would round away
         self._merge_adapters = self.lean.weights_dtype == torch.float32
         self._trainer: LoraTrainer | None = None
@@ -155,40 +154,31 @@ class TorchEngine:
         """Serve the adapter at `path` (None: the base model) as `name`. The adapter loaded last
         also gets merged weights (see `LeanLlama.merge`): the rollouts of a training run, which all
         use the newest checkpoint, then decode as fast as the base model."""
-        if path is None:
-            await asyncio.to_thread(self._set_adapter, name, None, None)
-            return
-        path = Path(path).resolve()
-        weights = await asyncio.to_thread(self._adapter_at, path)
-        await asyncio.to_thread(self._set_adapter, name, weights, path)
+        weights = None if path is None else await asyncio.to_thread(self._adapter_at, Path(path).resolve())
+        await asyncio.to_thread(self._set_adapter, name, weights)
 
     def _adapter_at(self, path: Path) -> LoraWeights:
         """The adapter already served from `path` (a checkpoint served under two names is one
         adapter: its rows batch and share cached prefixes), else the one read from there; with
         merged weights unless the serving dtype rules them out."""
-        served = (self._adapters.get(name) for name, source in list(self._adapter_paths.items()) if source == path)
-        weights = next((w for w in served if w is not None), None) or self._read_adapter(path)
+        served = (w for w in list(self._adapters.values()) if w is not None and w.source == path)
+        weights = next(served, None) or self._read_adapter(path)
         if self._merge_adapters and weights.merged is None:
             weights.merged = self.lean.merge(weights)
         return weights
 
-    def _set_adapter(self, name: str, weights: LoraWeights | None, path: Path | None) -> None:
+    def _set_adapter(self, name: str, weights: LoraWeights | None) -> None:
         with self._model_lock:
             if weights is not None and weights.merged is not None:
                 for other in self._adapters.values():
                     if other is not None and other is not weights:
                         other.merged = None  # one merged copy at a time: it is as large as the weights
             self._adapters[name] = weights
-            if path is None:
-                self._adapter_paths.pop(name, None)
-            else:
-                self._adapter_paths[name] = path
 
     async def remove_adapter(self, name: str) -> None:
         def remove() -> None:
             with self._model_lock:
                 self._adapters.pop(name, None)
-                self._adapter_paths.pop(name, None)
 
         await asyncio.to_thread(remove)
 
@@ -275,7 +265,9 @@ class TorchEngine:
                 a[(layer, module)] = tensor.to(dtype)
             else:
                 b[(layer, module)] = (tensor * scale).to(dtype)
-        return self.lean.fuse_lora(a, b)
+        weights = self.lean.fuse_lora(a, b)
+        weights.source = path
+        return weights
 
     # ----- the worker thread ------------------------------------------------------------
 
