@@ -5,15 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+import torch.utils.cpp_extension
+from transformers import AutoModelForCausalLM, Qwen3Config
 
 from art_backend.engine.base import GenerationRequest, ModelNotServedError, SamplingParams
-from art_backend.engine.llama import LORA_TARGETS, LeanLlama
+from art_backend.engine.cpu_kernels import load_cpu_kernels
+from art_backend.engine.llama import LORA_TARGETS, PROJECTIONS, LeanLlama, LoraWeights
 from art_backend.engine.torch_engine import TorchEngine
 
 
@@ -53,6 +56,78 @@ def test_lean_forward_matches_transformers(model_fixture: str, request: pytest.F
     # differences, ~5e-4 at most on the embedded model's logits (magnitude ~20) after 30 layers
     torch.testing.assert_close(prefill, reference, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(step[:, 0], reference_next, atol=1e-3, rtol=1e-4)
+
+
+def _random_lora(lean: LeanLlama, modules: list[str], seed: int) -> LoraWeights:
+    """Random rank-4 A and B for `modules` in every layer, fused as `TorchEngine` fuses a peft adapter."""
+    generator = torch.Generator().manual_seed(seed)
+    a, b = {}, {}
+    for layer, linears in enumerate(lean._modules):
+        for projection, names in PROJECTIONS.items():
+            for name, module in zip(names, linears[projection]):
+                if name in modules:
+                    a[(layer, name)] = torch.randn(4, module.in_features, generator=generator) * 0.1
+                    b[(layer, name)] = torch.randn(module.out_features, 4, generator=generator) * 0.1
+    return lean.fuse_lora(a, b)
+
+
+def _qwen3_tiny() -> torch.nn.Module:
+    config = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "qwen3 (q/k norms)"])
+def test_fused_decode_kernels_match_the_eager_ops(model_fixture: str, request: pytest.FixtureRequest) -> None:
+    if model_fixture.startswith("qwen3"):
+        model = _qwen3_tiny()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(model_fixture)).eval()
+    fused, eager = LeanLlama(model, max_len=64), LeanLlama(model, max_len=64, fused_kernels=False)
+    if shutil.which("c++"):  # where a compiler exists, the kernels must build: the fast path is the one tested
+        assert fused.kernels is not None
+    else:
+        pytest.skip("no C++ compiler: the fused kernels cannot be built here")
+    adapters = [_random_lora(fused, ["q_proj", "v_proj", "down_proj"], seed=1), _random_lora(fused, ["o_proj"], seed=2)]
+    torch.manual_seed(0)
+    caches = [fused.new_cache(), eager.new_cache()]
+    for cache in caches:
+        cache.reserve(8, 32)
+    # four rows of different lengths in scattered slots, two adapters and the base model mixed
+    lengths = torch.tensor([5, 9, 3, 12])
+    slots, lora = torch.tensor([6, 1, 3, 0]), [adapters[0], None, adapters[1], adapters[0]]
+    for row, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist())):
+        ids = torch.randint(0, model.config.vocab_size, (1, length))
+        for lean, cache in zip((fused, eager), caches):  # multi-token calls use the eager ops in both
+            lean.forward(ids, torch.arange(length)[None], torch.tensor([slot]), cache, torch.tensor([length]),
+                         [lora[row]])
+    for _ in range(4):
+        tokens = torch.randint(0, model.config.vocab_size, (4, 1))
+        got, want = (lean.forward(tokens, lengths[:, None], slots, cache, lengths + 1, lora)
+                     for lean, cache in zip((fused, eager), caches))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        lengths = lengths + 1
+    torch.testing.assert_close(caches[0].k, caches[1].k, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(caches[0].v, caches[1].v, atol=1e-5, rtol=1e-4)
+
+
+def test_a_failed_kernel_build_falls_back_to_eager_ops_with_a_warning(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def no_compiler(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("Error building extension 'art_cpu_kernels': c++: command not found")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    load_cpu_kernels.cache_clear()
+    try:
+        lean = LeanLlama(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), max_len=32)
+    finally:
+        load_cpu_kernels.cache_clear()
+    assert lean.kernels is None
+    assert "c++: command not found" in caplog.text and "install a C++ compiler" in caplog.text
+    cache = lean.new_cache()
+    hidden = lean.forward(torch.tensor([[1], [2]]), torch.tensor([[0], [0]]), torch.arange(2), cache, torch.tensor([1, 1]))
+    assert hidden.shape == (2, 1, lean.config.hidden_size)
 
 
 def test_bf16_serving_stays_close_to_fp32_and_leaves_the_trainer_model_alone(embedded_model_dir: Path) -> None:

@@ -15,7 +15,8 @@ def build_engine(settings: BackendSettings) -> TorchEngine:
     model_dir = resolve_model_dir(settings.model, settings.cache_dir)
     return TorchEngine(model_dir, served_model_name=settings.served_model_name,
                        max_model_len=settings.max_model_len, max_batch_size=settings.max_batch_size,
-                       threads=settings.threads, dtype=settings.dtype)
+                       threads=settings.threads, dtype=settings.dtype,
+                       cpu_kernels=settings.cpu_kernels)
 
 
 def build_app(settings: BackendSettings) -> FastAPI:

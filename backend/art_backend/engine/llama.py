@@ -17,6 +17,11 @@ attention and the residual stream stay in the model's dtype. Sampled logprobs th
 the fp32 trainer's by ~0.03 nats on average (KL ~7e-4 per token on the embedded model); they
 are still the sampler's own, and the loss's importance ratio absorbs the difference.
 
+On CPU in float32, a decode step (one new token per row) runs the fused kernels of
+`cpu_kernels.cpp`: rotary embedding, KV-cache write and attention in one call per layer, each
+residual add fused with the norm after it. That step is ~1.25x faster than the same step in
+eager torch ops, which stay for prefill, other devices and machines without a C++ compiler.
+
 LoRA adapters are applied unmerged, per row: row b of a batch adds
 scale * (x A_b^T) B_b^T, where A_b, B_b belong to that row's adapter. An adapter may also carry
 merged weights, W + scale * B A packed like the base ones: a batch whose rows all use it (a
@@ -34,6 +39,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from art_backend.engine.cpu_kernels import load_cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +96,12 @@ class FrozenLinear:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKED_FOR_ROWS) if self.packed else weight
 
     def __call__(self, x: Tensor) -> Tensor:
-        inputs = x.to(self.dtype)
+        inputs = x if x.dtype is self.dtype else x.to(self.dtype)  # `is`: a decode step makes ~120 of these calls
         if self.packed:
             out = torch.ops.mkldnn._linear_pointwise(inputs, self.weight, self.bias, "none", [], "")
         else:
             out = F.linear(inputs, self.weight, self.bias)
-        return out.to(x.dtype)
+        return out if out.dtype is x.dtype else out.to(x.dtype)
 
 
 class KVCache:
@@ -146,8 +153,10 @@ class KVCache:
 
 
 class LeanLlama:
-    def __init__(self, model: torch.nn.Module, max_len: int, dtype: torch.dtype | None = None) -> None:
-        """`dtype`: the frozen weights' and matmuls' dtype; None keeps the model's."""
+    def __init__(self, model: torch.nn.Module, max_len: int, dtype: torch.dtype | None = None,
+                 fused_kernels: bool = True) -> None:
+        """`dtype`: the frozen weights' and matmuls' dtype; None keeps the model's.
+        `fused_kernels`: decode with `cpu_kernels.cpp` where it applies (CPU, float32)."""
         cfg = model.config
         if cfg.model_type not in ("llama", "qwen2", "qwen3", "mistral"):
             raise ValueError(
@@ -187,6 +196,8 @@ class LeanLlama:
         self.max_len = max_len
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
+        applies = fused_kernels and self.device.type == "cpu" and self.dtype == torch.float32
+        self.kernels = load_cpu_kernels() if applies else None  # None: eager torch ops throughout
 
     def _fused(self, layer: int, projection: str) -> tuple[Tensor, Tensor | None]:
         """A fused projection's weight [out, in] and bias (None unless every module has one)."""
@@ -271,9 +282,10 @@ class LeanLlama:
 
     def _project(self, x: Tensor, linear: FrozenLinear, layer: int, projection: str,
                  lora: list[LoraWeights | None] | None) -> Tensor:
-        out = linear(x)
-        delta = None if lora is None else self._lora(x, (layer, projection), lora)
-        return out if delta is None else out + delta
+        if lora is None:
+            return linear(x)
+        delta = self._lora(x, (layer, projection), lora)
+        return linear(x) if delta is None else linear(x) + delta
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, cache: KVCache,
@@ -285,6 +297,13 @@ class LeanLlama:
         `logits()` on the rows needed. Rows of a multi-token call must share one slot range
         layout: row b attends to cache slot slots[b] only.
         """
+        linears = self.linears
+        if lora is not None and lora[0] is not None:
+            adapter, merged = lora[0], lora[0].merged  # read once: a load may set it meanwhile
+            if merged is not None and all(a is adapter for a in lora):
+                linears, lora = merged, None  # one merged adapter for the whole batch
+        if tokens.shape[1] == 1 and self.kernels is not None:
+            return self._decode_fused(tokens[:, 0], positions[:, 0], slots, cache, linears, lora)
         batch, steps = tokens.shape
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B,T,1,hd]
@@ -295,11 +314,6 @@ class LeanLlama:
         contiguous = bool(torch.equal(slots, torch.arange(batch, device=slots.device)))
         rows = slots[:, None].expand(batch, steps)
         heads = self.n_heads + self.n_kv
-        linears = self.linears
-        if lora is not None and lora[0] is not None:
-            adapter, merged = lora[0], lora[0].merged  # read once: a load may set it meanwhile
-            if merged is not None and all(a is adapter for a in lora):
-                linears, lora = merged, None  # one merged adapter for the whole batch
         for i, (norms, linear) in enumerate(zip(self.norms, linears)):
             h = self._rms(x, norms["ln1"])
             qkv = self._project(h, linear["qkv"], i, "qkv", lora)
@@ -323,6 +337,26 @@ class LeanLlama:
             gate, up = self._project(h, linear["gate_up"], i, "gate_up", lora).chunk(2, dim=-1)
             x = x + self._project(F.silu(gate) * up, linear["down"], i, "down", lora)
         return self._rms(x, self.norm)
+
+    def _decode_fused(self, tokens: Tensor, positions: Tensor, slots: Tensor, cache: KVCache,
+                      linears: list[dict[str, FrozenLinear]], lora: list[LoraWeights | None] | None) -> Tensor:
+        """`forward` for one new token per row (`tokens`, `positions` [B]), in 6 ops per layer."""
+        kernels, batch = self.kernels, tokens.shape[0]
+        x = F.embedding(tokens, self.embed)  # the residual stream [B, hidden], updated in place
+        cos, sin = self.cos[positions], self.sin[positions]
+        h = self._rms(x, self.norms[0]["ln1"])
+        norms_after = [norms["ln1"] for norms in self.norms[1:]] + [self.norm]  # each layer's output norm
+        for i, (norms, linear, norm_after) in enumerate(zip(self.norms, linears, norms_after)):
+            qkv = self._project(h, linear["qkv"], i, "qkv", lora).view(batch, -1, self.head_dim)
+            q, k, v = qkv.split_with_sizes((self.n_heads, self.n_kv, self.n_kv), dim=1)
+            if norms["q_norm"] is not None:
+                q, k = self._rms(q, norms["q_norm"]), self._rms(k, norms["k_norm"])
+            att = kernels.decode_attention(q, k, v, cos, sin, cache.k[i], cache.v[i], slots, positions)
+            h = kernels.add_rms_norm(x, self._project(att.view(batch, -1), linear["o"], i, "o", lora),
+                                     norms["ln2"], self.eps)
+            up = kernels.silu_mul(self._project(h, linear["gate_up"], i, "gate_up", lora))
+            h = kernels.add_rms_norm(x, self._project(up, linear["down"], i, "down", lora), norm_after, self.eps)
+        return h[:, None]
 
     @torch.no_grad()
     def logits(self, hidden: Tensor) -> Tensor:

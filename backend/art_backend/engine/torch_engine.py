@@ -95,9 +95,9 @@ class TorchEngine:
     def __init__(self, model_dir: Path, served_model_name: str | None = None,
                  max_model_len: int | None = None, max_batch_size: int = 64,
                  prefix_cache_tokens: int = 16384, threads: int | None = None,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", cpu_kernels: bool = True) -> None:
         """`dtype`: the serving forward's weights and matmuls (see `LeanLlama`); on GPU always
-        the model's bfloat16."""
+        the model's bfloat16. `cpu_kernels`: decode with the fused kernels of `cpu_kernels.cpp`."""
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -110,14 +110,16 @@ class TorchEngine:
         if max_model_len is None:
             self.max_model_len = min(self.max_model_len, _MAX_CONTEXT)
         self.lean = LeanLlama(self.model, self.max_model_len,
-                              dtype=None if self.device.type == "cuda" else getattr(torch, dtype))
+                              dtype=None if self.device.type == "cuda" else getattr(torch, dtype),
+                              fused_kernels=cpu_kernels)
         self.base_model_name = served_model_name or Path(model_dir).name
         self.max_batch_size = max_batch_size
         self.stop_ids = self._stop_token_ids()
         self.constrainer = Constrainer(self.tokenizer)
         self.peak_batch_size = 0  # most sequences decoded in one step so far
-        logger.info("Loaded %s in %.1f s on %s (serving weights %s)", model_dir, time.perf_counter() - started,
-                    self.device, str(self.lean.weights_dtype).removeprefix("torch."))
+        logger.info("Loaded %s in %.1f s on %s (serving weights %s, %s)", model_dir, time.perf_counter() - started,
+                    self.device, str(self.lean.weights_dtype).removeprefix("torch."),
+                    "fused decode kernels" if self.lean.kernels is not None else "eager decode ops")
 
         self._adapters: dict[str, LoraWeights | None] = {}  # None: the base model under another name
         # merged copies only at full precision: in bf16 a small W + B A delta would round away

@@ -1,0 +1,208 @@
+// Fused float32 kernels for LeanLlama's CPU decode step (one new token per row).
+//
+// At decode batch sizes the step's matmuls already stream their weights at the memory-bandwidth
+// limit; what is left between them is ~20 small torch ops per layer, each a dispatch and a pass
+// over memory. These three ops replace them. Built by cpu_kernels.py; each has an eager twin in
+// llama.py that the tests compare it with.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+namespace {
+
+// exp(x) for float32, written so that `omp simd` loops vectorize it (std::exp stays a scalar
+// libm call per element, and the softmax and SiLU are mostly exps): exp(x) = 2^n exp(r) with
+// n = round(x / ln 2), r = x - n ln 2 in two parts, and Cephes' degree-6 polynomial for exp(r)
+// on |r| <= ln(2)/2 (relative error ~1e-7, like libm's). Inputs are clamped to float's range.
+// (The clamps vectorize as compares and blends only under -fno-trapping-math.)
+inline float exp_simd(float x) {
+  x = x < -87.3f ? -87.3f : x;
+  x = x > 88.7f ? 88.7f : x;
+  const float shifted = x * 1.44269504f + 12582912.0f;  // adding 1.5 * 2^23 rounds to an integer
+  const float n = shifted - 12582912.0f;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t exponent = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, built in the exponent bits
+  return p * std::bit_cast<float>(exponent);
+}
+
+// out = (x * cos + rotate_half(x) * sin) * scale, with rotate_half(x) = (-x[half:], x[:half]):
+// Hugging Face's rotary embedding, cos and sin holding `d` entries (each half repeated).
+inline void rotate(const float* x, const float* cos, const float* sin, float* out, int64_t d, float scale) {
+  const int64_t half = d / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    out[i] = (x[i] * cos[i] - x[i + half] * sin[i]) * scale;
+    out[i + half] = (x[i + half] * cos[i + half] + x[i] * sin[i + half]) * scale;
+  }
+}
+
+void check_float(std::initializer_list<const at::Tensor*> tensors, const char* op) {
+  for (const auto* t : tensors)
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), op, ": inputs must be float32 CPU tensors");
+}
+
+// For each row b (one new token at position p = positions[b], cache slot s = slots[b]):
+//   k, q <- rotary(k), rotary(q);  K[s, :, p] <- k;  V[s, :, p] <- v
+//   out[b, head] = softmax(q K[s, kv(head), :p+1]^T / sqrt(d)) V[s, kv(head), :p+1]
+// with grouped-query heads sharing their KV head. One task per (row, KV head): it reads that
+// head's keys and values once for all the query heads of its group.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                            at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& positions) {
+  check_float({&q, &k, &v, &cos, &sin, &k_cache, &v_cache}, "decode_attention");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [batch, heads, head_dim]");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v need a contiguous last dim");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "the caches must be contiguous [slots, kv_heads, capacity, head_dim]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "cos and sin must be contiguous [batch, head_dim]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong, "slots and positions are int64");
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(1);
+  const int64_t group = heads / kv_heads, n_slots = k_cache.size(0), capacity = k_cache.size(2);
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(1) == kv_heads && k_cache.size(3) == d, "head counts disagree");
+  const auto slots_c = slots.contiguous(), positions_c = positions.contiguous();
+  const int64_t* slot_of = slots_c.data_ptr<int64_t>();
+  const int64_t* position_of = positions_c.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(slot_of[b] >= 0 && slot_of[b] < n_slots && position_of[b] >= 0 && position_of[b] < capacity,
+                "row ", b, ": slot or position outside the cache");
+
+  auto out = at::empty({batch, heads, d}, q.options());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *cos_p = cos.data_ptr<float>(), *sin_p = sin.data_ptr<float>();
+  float *k_base = k_cache.data_ptr<float>(), *v_base = v_cache.data_ptr<float>(), *out_p = out.data_ptr<float>();
+
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries(group * d), scores, acc(group * d), total(group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads, position = position_of[b], length = position + 1;
+      const float *cos_b = cos_p + b * d, *sin_b = sin_p + b * d;
+      float* keys = k_base + (slot_of[b] * kv_heads + h) * capacity * d;
+      float* values = v_base + (slot_of[b] * kv_heads + h) * capacity * d;
+      rotate(kp + b * k.stride(0) + h * k.stride(1), cos_b, sin_b, keys + position * d, d, 1.0f);
+      const float* v_new = vp + b * v.stride(0) + h * v.stride(1);
+      std::copy(v_new, v_new + d, values + position * d);
+      for (int64_t g = 0; g < group; ++g)
+        rotate(qp + b * q.stride(0) + (h * group + g) * q.stride(1), cos_b, sin_b, queries.data() + g * d, d, scale);
+
+      scores.resize(group * length);
+      for (int64_t j = 0; j < length; ++j) {
+        const float* key = keys + j * d;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* query = queries.data() + g * d;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < d; ++i) dot += query[i] * key[i];
+          scores[g * length + j] = dot;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {  // softmax numerators, shifted by the row's max
+        float* row = scores.data() + g * length;
+        const float top = *std::max_element(row, row + length);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < length; ++j) {
+          row[j] = exp_simd(row[j] - top);
+          sum += row[j];
+        }
+        total[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < length; ++j) {
+        const float* value = values + j * d;
+        for (int64_t g = 0; g < group; ++g) {
+          const float weight = scores[g * length + j];
+          float* a = acc.data() + g * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) a[i] += weight * value[i];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = out_p + (b * heads + h * group + g) * d;
+        const float inv = 1.f / total[g];
+        for (int64_t i = 0; i < d; ++i) o[i] = acc[g * d + i] * inv;
+      }
+    }
+  });
+  return out;
+}
+
+// x <- x + delta (the residual stream, in place); returns x / sqrt(mean(x^2) + eps) * weight.
+at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  check_float({&x, &delta, &weight}, "add_rms_norm");
+  TORCH_CHECK(x.is_contiguous() && delta.is_contiguous() && weight.is_contiguous() && x.sizes() == delta.sizes(),
+              "add_rms_norm: x and delta must be contiguous and the same shape");
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  TORCH_CHECK(weight.numel() == n, "add_rms_norm: weight must have x's last dim");
+  auto out = at::empty_like(x);
+  float *x_p = x.data_ptr<float>(), *out_p = out.data_ptr<float>();
+  const float *delta_p = delta.data_ptr<float>(), *w = weight.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* xr = x_p + r * n;
+      const float* dr = delta_p + r * n;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < n; ++i) {
+        xr[i] += dr[i];
+        squares += xr[i] * xr[i];
+      }
+      const float inv = 1.f / std::sqrt(squares / n + static_cast<float>(eps));
+      float* o = out_p + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) o[i] = xr[i] * inv * w[i];
+    }
+  });
+  return out;
+}
+
+// gate_up = [gate | up] along the last dim -> silu(gate) * up
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_float({&gate_up}, "silu_mul");
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0, "silu_mul: a contiguous [..., 2 * n] input");
+  const int64_t n = gate_up.size(-1) / 2, rows = gate_up.numel() / (2 * n);
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = n;
+  auto out = at::empty(sizes, gate_up.options());
+  const float* in_p = gate_up.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float *gate = in_p + r * 2 * n, *up = gate + n;
+      float* o = out_p + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) o[i] = gate[i] / (1.f + exp_simd(-gate[i])) * up[i];
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(art_cpu_kernels, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slots, Tensor positions) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(art_cpu_kernels, CPU, m) {
+  m.impl("decode_attention", decode_attention);
+  m.impl("add_rms_norm", add_rms_norm);
+  m.impl("silu_mul", silu_mul);
+}
