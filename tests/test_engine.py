@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from art_backend.engine.base import GenerationRequest, ModelNotServedError, SamplingParams
 from art_backend.engine.cpu_kernels import load_cpu_kernels
 from art_backend.engine.llama import LORA_TARGETS, PROJECTIONS, LeanLlama, LoraWeights
+from art_backend.engine.sampling import RowSampling, sample
 from art_backend.engine.torch_engine import TorchEngine
 
 
@@ -110,6 +111,23 @@ def test_fused_decode_kernels_match_the_eager_ops(model_fixture: str, request: p
         lengths = lengths + 1
     torch.testing.assert_close(caches[0].k, caches[1].k, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(caches[0].v, caches[1].v, atol=1e-5, rtol=1e-4)
+
+
+def test_fused_sampling_draws_what_the_torch_sampler_draws() -> None:
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        assert not shutil.which("c++"), "the fused kernels did not build although a compiler exists"
+        pytest.skip("no C++ compiler: the fused kernels cannot be built here")
+    torch.manual_seed(0)
+    logits = torch.randn(64, 49152) * 4  # the embedded model's vocabulary, peaked rows
+
+    def rows() -> list[RowSampling]:  # greedy and three temperatures; each row seeded alike for both samplers
+        return [RowSampling(t, 1.0, 0, torch.Generator().manual_seed(i)) for i, t in enumerate([0.0, 0.5, 1.0, 1.5] * 16)]
+
+    fused, plain = sample(logits, rows(), kernels=kernels), sample(logits, rows())
+    assert fused.token_ids == plain.token_ids
+    assert fused.logprobs == pytest.approx(plain.logprobs, abs=1e-5)
+    assert len(set(fused.token_ids[1::4])) > 8  # sampled rows really draw (not all argmax)
 
 
 def test_a_failed_kernel_build_falls_back_to_eager_ops_with_a_warning(

@@ -2,8 +2,8 @@
 //
 // At decode batch sizes the step's matmuls already stream their weights at the memory-bandwidth
 // limit; what is left between them is ~20 small torch ops per layer, each a dispatch and a pass
-// over memory. These three ops replace them. Built by cpu_kernels.py; each has an eager twin in
-// llama.py that the tests compare it with.
+// over memory. Three ops here replace them, and a fourth draws the next tokens. Built by
+// cpu_kernels.py; each has an eager twin (llama.py, sampling.py) that the tests compare it with.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -192,6 +193,70 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+
+// Row b of `logits` [batch, vocab]: a token drawn from softmax(logits[b] / t) by inverse CDF
+// at `uniform[b]` in [0, 1), t = temperature[b] (0: the argmax, scored at t = 1), and its
+// logprob log_softmax(logits[b] / t)[token]. One pass computes the exps and their sums per block
+// of 64 tokens; the draw then walks the block sums and one block, instead of the dozen passes a
+// log_softmax/exp/cumsum/searchsorted chain makes. Sums are in double, as torch's CPU cumsum:
+// over ~50k terms a float sum would drift by ~1e-3.
+std::tuple<at::Tensor, at::Tensor> sample_tokens(const at::Tensor& logits, const at::Tensor& temperature,
+                                                 const at::Tensor& uniform) {
+  check_float({&logits, &temperature, &uniform}, "sample_tokens");
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "sample_tokens: logits must be contiguous [batch, vocab]");
+  const int64_t batch = logits.size(0), vocab = logits.size(1), block = 64, blocks = (vocab + block - 1) / block;
+  TORCH_CHECK(temperature.numel() == batch && uniform.numel() == batch, "sample_tokens: one temperature and uniform per row");
+  const auto temperature_c = temperature.contiguous(), uniform_c = uniform.contiguous();
+  auto tokens = at::empty({batch}, logits.options().dtype(at::kLong));
+  auto logprobs = at::empty({batch}, logits.options());
+  const float *in_p = logits.data_ptr<float>(), *t_p = temperature_c.data_ptr<float>(), *u_p = uniform_c.data_ptr<float>();
+  int64_t* token_p = tokens.data_ptr<int64_t>();
+  float* logprob_p = logprobs.data_ptr<float>();
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> exps(vocab);
+    std::vector<double> block_sums(blocks);
+    for (int64_t b = begin; b < end; ++b) {
+      const float* row = in_p + b * vocab;
+      const bool greedy = t_p[b] == 0.f;
+      const float inv_t = greedy ? 1.f : 1.f / t_p[b];
+      float top = row[0];
+#pragma omp simd reduction(max : top)
+      for (int64_t j = 0; j < vocab; ++j) top = std::max(top, row[j]);
+      double sum = 0.0;
+      for (int64_t k = 0; k < blocks; ++k) {
+        const int64_t first = k * block, last = std::min(first + block, vocab);
+        double block_sum = 0.0;
+#pragma omp simd reduction(+ : block_sum)
+        for (int64_t j = first; j < last; ++j) {
+          exps[j] = exp_simd((row[j] - top) * inv_t);
+          block_sum += exps[j];
+        }
+        block_sums[k] = block_sum;
+        sum += block_sum;
+      }
+      int64_t token = vocab - 1;  // where rounding leaves the target at the very end
+      if (greedy) {
+        token = std::max_element(row, row + vocab) - row;
+      } else {
+        const double target = u_p[b] * sum;
+        double cumulative = 0.0;
+        int64_t k = 0;
+        while (k < blocks - 1 && cumulative + block_sums[k] <= target) cumulative += block_sums[k++];
+        for (int64_t j = k * block; j < std::min((k + 1) * block, vocab); ++j) {
+          cumulative += exps[j];
+          if (cumulative > target) {
+            token = j;
+            break;
+          }
+        }
+      }
+      token_p[b] = token;
+      logprob_p[b] = (row[token] - top) * inv_t - static_cast<float>(std::log(sum));
+    }
+  });
+  return {tokens, logprobs};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(art_cpu_kernels, m) {
@@ -199,10 +264,12 @@ TORCH_LIBRARY(art_cpu_kernels, m) {
         "Tensor(b!) v_cache, Tensor slots, Tensor positions) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("sample_tokens(Tensor logits, Tensor temperature, Tensor uniform) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(art_cpu_kernels, CPU, m) {
   m.impl("decode_attention", decode_attention);
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_mul", silu_mul);
+  m.impl("sample_tokens", sample_tokens);
 }

@@ -9,6 +9,7 @@ means greedy, with temperature-1 logprobs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,11 +42,31 @@ def _take_rows(block: Tensor, rows: list[int]) -> Tensor:
     return block if len(rows) == block.shape[0] else block[rows]
 
 
-def sample(logits: Tensor, rows: list[RowSampling], allowed_logits: Tensor | None = None) -> Sampled:
+def _uniforms(rows: list[RowSampling], device: torch.device) -> Tensor:
+    """One uniform draw in [0, 1) per sampled row, from the row's own generator when seeded; 0
+    for greedy rows."""
+    uniform = torch.zeros(len(rows), device=device)
+    unseeded = [i for i, r in enumerate(rows) if r.temperature > 0 and r.generator is None]
+    if unseeded:
+        uniform[unseeded] = torch.rand(len(unseeded), device=device)
+    for i, row in enumerate(rows):
+        if row.temperature > 0 and row.generator is not None:
+            uniform[i] = torch.rand((), device=device, generator=row.generator)
+    return uniform
+
+
+def sample(logits: Tensor, rows: list[RowSampling], allowed_logits: Tensor | None = None,
+           kernels: Any | None = None) -> Sampled:
     """`logits` [B, vocab] (float32) -> one token per row. `allowed_logits`: the same logits with
-    tokens a grammar forbids set to -inf; tokens are then drawn from those."""
+    tokens a grammar forbids set to -inf; tokens are then drawn from those. `kernels`: the fused
+    CPU ops (`cpu_kernels.py`), used when no row needs top-p, top logprobs or a grammar."""
     device = logits.device
-    temperature = torch.tensor([r.temperature for r in rows], device=device)
+    temperature = torch.tensor([float(r.temperature) for r in rows], device=device)
+    uniform = _uniforms(rows, device)
+    if kernels is not None and allowed_logits is None and all(r.top_p >= 1.0 and not r.top_logprobs for r in rows):
+        tokens, chosen = kernels.sample_tokens(logits, temperature, uniform)
+        return Sampled(tokens.tolist(), chosen.tolist(), [[] for _ in rows])
+
     scale = torch.where(temperature == 0, 1.0, temperature)[:, None]
     logprobs = torch.log_softmax(logits / scale, dim=-1)
     drawn_from = logprobs if allowed_logits is None else torch.log_softmax(allowed_logits / scale, dim=-1)
@@ -61,14 +82,9 @@ def sample(logits: Tensor, rows: list[RowSampling], allowed_logits: Tensor | Non
         top_p = torch.tensor([rows[i].top_p for i in sampled_rows], device=device)
         if bool((top_p < 1.0).any()):
             probs = _keep_top_p(probs, top_p)
-        # inverse-CDF sampling: one uniform draw per row (from the row's own generator when
-        # seeded) and one batched searchsorted, instead of a multinomial call per row
-        uniform = torch.empty(len(sampled_rows), device=device)
-        for j, i in enumerate(sampled_rows):
-            generator = rows[i].generator
-            uniform[j] = torch.rand((), device=device, generator=generator) if generator else torch.rand(())
+        # inverse-CDF sampling: one batched searchsorted instead of a multinomial call per row
         cdf = probs.cumsum(dim=-1)
-        picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0]
+        picked = torch.searchsorted(cdf, (uniform[sampled_rows] * cdf[:, -1])[:, None], right=True)[:, 0]
         tokens[sampled_rows] = picked.clamp_(max=probs.shape[-1] - 1)
 
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]

@@ -449,7 +449,7 @@ class TorchEngine:
 
     def _accept(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
         """Sample one token for each of `seqs`, update their text, send deltas, retire the finished."""
-        sampled = sample(logits, [s.rows for s in seqs], self._allowed_logits(seqs, logits))
+        sampled = sample(logits, [s.rows for s in seqs], self._allowed_logits(seqs, logits), self.lean.kernels)
         by_request: dict[int, list[SequenceDelta]] = {}
         for seq, token, logprob, top in zip(seqs, sampled.token_ids, sampled.logprobs, sampled.top):
             if seq.matcher is not None and not seq.matcher.is_stopped() and not seq.matcher.consume_token(token):
