@@ -282,10 +282,9 @@ class LeanLlama:
 
     def _project(self, x: Tensor, linear: FrozenLinear, layer: int, projection: str,
                  lora: list[LoraWeights | None] | None) -> Tensor:
-        if lora is None:
-            return linear(x)
-        delta = self._lora(x, (layer, projection), lora)
-        return linear(x) if delta is None else linear(x) + delta
+        out = linear(x)
+        delta = None if lora is None else self._lora(x, (layer, projection), lora)
+        return out if delta is None else out + delta
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, cache: KVCache,
