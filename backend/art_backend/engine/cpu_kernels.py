@@ -22,15 +22,23 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 
+# The vector instructions torch itself uses on this CPU, as compiler flags: the kernels' loops and
+# exps run 8-16 floats at a time instead of 4 (the sampler and SiLU ~3x faster than with SSE2).
+# The build's name carries the choice, so machines with other CPUs never share a cached build.
+_VECTOR_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+                 "AVX2": ["-mavx2", "-mfma"]}
+
 
 @functools.cache
 def load_cpu_kernels() -> Any | None:
     """`torch.ops.art_cpu_kernels`, or None, with a warning saying why, where they cannot be built."""
     from torch.utils.cpp_extension import load  # imports setuptools: only when serving on CPU
 
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", "-fopenmp", "-fno-trapping-math", *_VECTOR_FLAGS.get(capability, [])]
     started = time.perf_counter()
     try:
-        load(name="art_cpu_kernels", sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math"],
+        load(name=f"art_cpu_kernels_{capability.lower()}", sources=[str(_SOURCE)], extra_cflags=flags,
              is_python_module=False)
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as error:
         logger.warning(
@@ -38,5 +46,5 @@ def load_cpu_kernels() -> Any | None:
             "To build them, install a C++ compiler (g++) and the `ninja` package; to skip the attempt, set "
             "ART_BACKEND_CPU_KERNELS=false.", error)
         return None
-    logger.info("Fused CPU decode kernels ready in %.1f s", time.perf_counter() - started)
+    logger.info("Fused CPU decode kernels (%s) ready in %.1f s", capability, time.perf_counter() - started)
     return torch.ops.art_cpu_kernels
