@@ -46,4 +46,4 @@ class BackendSettings(BaseSettings):
         "average. The trainer stays in float32. On GPU the model's bfloat16 is always used.")
     cpu_kernels: bool = Field(
         default=True, description="CPU: decode with fused C++ kernels (~1.25x faster steps), built once per "
-        "machine (~15 s, needs a C++ compiler). false: plain torch ops only.")
+        "machine (~20 s, needs a C++ compiler). false: plain torch ops only.")

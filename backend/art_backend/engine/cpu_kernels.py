@@ -2,7 +2,7 @@
 
 Hand-written because no maintained library ships these fusions for current CPU torch (Intel's
 extension for PyTorch, which had similar ones, stopped at torch 2.8). torch's own extension
-builder compiles them (~15 s, with the system's C++ compiler and the `ninja` package) into
+builder compiles them (~20 s, with the system's C++ compiler and the `ninja` package) into
 TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions); later starts load the cached build
 in well under a second.
 """
