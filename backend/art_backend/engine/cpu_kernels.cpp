@@ -26,7 +26,7 @@ namespace {
 // (The clamps vectorize as compares and blends only under -fno-trapping-math.)
 inline float exp_simd(float x) {
   x = x < -87.3f ? -87.3f : x;
-  x = x > 88.7f ? 88.7f : x;
+  x = x > 88.37f ? 88.37f : x;  // below log(FLT_MAX) with n <= 127, so 2^n stays finite
   const float shifted = x * 1.44269504f + 12582912.0f;  // adding 1.5 * 2^23 rounds to an integer
   const float n = shifted - 12582912.0f;
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
