@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from art_backend.engine.base import GenerationRequest, ModelNotServedError, SamplingParams
 from art_backend.engine.cpu_kernels import load_cpu_kernels
+from art_backend.engine.exact_groups import as_exact_groups
 from art_backend.engine.llama import LORA_TARGETS, PROJECTIONS, LeanLlama, LoraWeights
 from art_backend.engine.sampling import RowSampling, sample
 from art_backend.engine.torch_engine import TorchEngine
@@ -42,7 +43,11 @@ async def _run(engine: TorchEngine, request: GenerationRequest) -> dict[int, dic
 def test_lean_forward_matches_transformers(model_fixture: str, request: pytest.FixtureRequest) -> None:
     model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(model_fixture)).eval()
     lean = LeanLlama(model, max_len=256)
-    assert lean.linears[0]["qkv"].packed == torch.backends.mkldnn.is_available()  # the fast path is the one tested
+    qkv = lean.linears[0]["qkv"]  # the fast layout is the one tested
+    if model_fixture == "embedded_model_dir" and _exact_groups_apply(lean):
+        assert qkv.groups is not None and qkv.groups.bits == 4 and lean.lm_head.groups is not None
+    else:
+        assert qkv.packed == torch.backends.mkldnn.is_available()
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
     with torch.no_grad():
@@ -57,6 +62,44 @@ def test_lean_forward_matches_transformers(model_fixture: str, request: pytest.F
     # differences, ~5e-4 at most on the embedded model's logits (magnitude ~20) after 30 layers
     torch.testing.assert_close(prefill, reference, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(step[:, 0], reference_next, atol=1e-3, rtol=1e-4)
+
+
+def _exact_groups_apply(lean: LeanLlama) -> bool:
+    """Whether `lean` may serve exact integer groups here; where a compiler exists, the kernels must build."""
+    if lean.kernels is None:
+        assert not shutil.which("c++"), "the fused kernels did not build although a compiler exists"
+    return lean.kernels is not None and torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+def test_exact_integer_groups_are_found_and_multiply_as_the_float32_weights(embedded_model_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(embedded_model_dir).eval()
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        assert not shutil.which("c++"), "the fused kernels did not build although a compiler exists"
+        pytest.skip("no C++ compiler: the kernels cannot be built here")
+    gate = model.model.layers[3].mlp.gate_proj.weight.detach()  # GGUF Q4_1
+    embedding = model.get_output_embeddings().weight.detach()  # GGUF Q8_0
+    for weight, bits in ((gate, 4), (embedding, 8)):
+        groups = as_exact_groups(weight)
+        assert groups is not None and groups.bits == bits
+        # the codes, scales and offsets give back every float32 weight exactly
+        codes = groups.codes.transpose(1, 2).reshape(weight.shape[0], -1).long()
+        if bits == 4:
+            codes = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(weight.shape)
+        scales, offsets = (t.transpose(1, 2).reshape(weight.shape[0], -1, 1) for t in (groups.scales, groups.offsets))
+        rebuilt = (codes.reshape(weight.shape[0], -1, 32) * scales + offsets).reshape(weight.shape)
+        assert torch.equal(rebuilt, weight)
+        torch.manual_seed(0)
+        bias = torch.randn(weight.shape[0])
+        for rows in (1, 3, 16, 21):  # every block size of the kernel: 16, 8, 4, 2, 1
+            x = torch.randn(rows, weight.shape[1])
+            got = kernels.linear_groups(x, groups.codes, groups.scales, groups.offsets, bias, groups.bits)
+            want = (x.double() @ weight.double().T + bias.double()).float()
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    nudged = gate.clone()
+    nudged[5, 7] = torch.nextafter(nudged[5, 7], torch.tensor(1.0))  # one weight off the grid by one ulp
+    assert as_exact_groups(nudged) is None
+    assert as_exact_groups(torch.randn(64, 64)) is None  # a model trained in float32
 
 
 def _random_lora(lean: LeanLlama, modules: list[str], seed: int) -> LoraWeights:

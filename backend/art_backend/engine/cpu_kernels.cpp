@@ -9,11 +9,17 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -194,6 +200,120 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }
 
 
+// Weights that are exactly small integers in groups, as the embedded model's (GGUF Q4_1 and
+// Q8_0, see exact_groups.py): along each output's inputs, every 32 weights share a scale s and an
+// offset m, and w = s * q + m with q an unsigned 4- or 8-bit code. 16 outputs form a tile: for
+// each input, its 16 codes sit side by side in `codes` [tiles, in * bits / 8, 16] (in 4 bits,
+// input 2p in the low nibbles and 2p + 1 in the high ones); `scales` and `offsets` are
+// [tiles, in / 32, 16]. Dequantizing is exact (s has 11 significant bits and q at most 8, so
+// s * q is exact in float32 and + m rounds once, as the weight did), so this is x W^T + b with the
+// float32 weights, reading 6 or 10 bits a weight instead of 32. Sums run over the inputs in
+// order, ~1e-6 from a BLAS's blocked order.
+using f32x16 = float __attribute__((vector_size(64)));
+using u8x16 = uint8_t __attribute__((vector_size(16)));
+using i32x16 = int32_t __attribute__((vector_size(64)));
+
+// 16 codes -> 16 floats. GCC compiles the portable conversion of 16 bytes read from memory to
+// scalar code, so AVX-512 builds (the ones that use this kernel, see llama.py) say it directly.
+inline f32x16 to_float(u8x16 codes) {
+#ifdef __AVX512F__
+  return reinterpret_cast<f32x16>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(reinterpret_cast<__m128i>(codes))));
+#else
+  return __builtin_convertvector(__builtin_convertvector(codes, i32x16), f32x16);
+#endif
+}
+
+// acc[r] += x[r] * w for the ROWS rows of one input (xt: inputs transposed, [in, ROWS])
+template <int ROWS>
+inline void accumulate(f32x16* acc, const float* x, f32x16 w) {
+  for (int r = 0; r < ROWS; ++r) acc[r] += x[r] * w;
+}
+
+// out[r, o0:o0+16] for ROWS rows; the 16 accumulators of a full block stay in registers.
+template <int ROWS, int BITS>
+inline void group_tile(const float* xt, const uint8_t* codes, const float* scales, const float* offsets,
+                       int64_t in, float* out, int64_t out_stride) {
+  f32x16 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = f32x16{};
+  for (int64_t g = 0; g < in / 32; ++g) {
+    f32x16 s, m;
+    std::memcpy(&s, scales + g * 16, sizeof s);
+    std::memcpy(&m, offsets + g * 16, sizeof m);
+    for (int i = 0; i < 32; i += 8 / BITS) {  // one 16-byte load: 2 inputs in 4 bits, 1 in 8
+      u8x16 bytes;
+      std::memcpy(&bytes, codes + (g * 32 + i) * BITS * 2, sizeof bytes);
+      const float* x = xt + (g * 32 + i) * ROWS;
+      if constexpr (BITS == 4) {
+        accumulate<ROWS>(acc, x, to_float(bytes & 15) * s + m);
+        accumulate<ROWS>(acc, x + ROWS, to_float(bytes >> 4) * s + m);
+      } else {
+        accumulate<ROWS>(acc, x, to_float(bytes) * s + m);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) std::memcpy(out + r * out_stride, &acc[r], sizeof acc[r]);
+}
+
+template <int BITS>
+void group_rows(int size, const float* xt, const uint8_t* codes, const float* scales, const float* offsets,
+                int64_t in, float* out, int64_t out_stride) {
+  switch (size) {
+    case 16: return group_tile<16, BITS>(xt, codes, scales, offsets, in, out, out_stride);
+    case 8: return group_tile<8, BITS>(xt, codes, scales, offsets, in, out, out_stride);
+    case 4: return group_tile<4, BITS>(xt, codes, scales, offsets, in, out, out_stride);
+    case 2: return group_tile<2, BITS>(xt, codes, scales, offsets, in, out, out_stride);
+    default: return group_tile<1, BITS>(xt, codes, scales, offsets, in, out, out_stride);
+  }
+}
+
+at::Tensor linear_groups(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                         const at::Tensor& offsets, const std::optional<at::Tensor>& bias, int64_t bits) {
+  check_float({&x, &scales, &offsets}, "linear_groups");
+  TORCH_CHECK(bits == 4 || bits == 8, "linear_groups: bits must be 4 or 8");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 16 && codes.is_contiguous(),
+              "linear_groups: codes must be contiguous uint8 [tiles, in * bits / 8, 16]");
+  const int64_t tiles = codes.size(0), in = codes.size(1) * 8 / bits, n = tiles * 16;
+  TORCH_CHECK(in % 32 == 0 && x.size(-1) == in, "linear_groups: x's last dim must be the weight's ", in, " inputs");
+  TORCH_CHECK(scales.is_contiguous() && offsets.is_contiguous() && scales.sizes() == offsets.sizes() &&
+              scales.numel() == tiles * (in / 32) * 16, "linear_groups: scales and offsets must be [tiles, in / 32, 16]");
+  const auto x_c = x.contiguous();
+  const int64_t rows = x_c.numel() / in;
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  auto out = at::empty(sizes, x.options());
+  // rows in blocks of 16, then 8, 4, 2, 1, each block's inputs transposed so that a row's input
+  // is a broadcast from the cache line the block's other rows share
+  std::vector<std::pair<int64_t, int>> blocks;  // (first row, rows)
+  for (int64_t r = 0; r < rows;) {
+    const int64_t left = rows - r;
+    const int size = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    blocks.emplace_back(r, size);
+    r += size;
+  }
+  std::vector<float> xt(rows * in);
+  const float* x_p = x_c.data_ptr<float>();
+  for (const auto& [first, size] : blocks)
+    for (int r = 0; r < size; ++r)
+      for (int64_t i = 0; i < in; ++i) xt[first * in + i * size + r] = x_p[(first + r) * in + i];
+  const uint8_t* codes_p = codes.data_ptr<uint8_t>();
+  const float *scales_p = scales.data_ptr<float>(), *offsets_p = offsets.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* tile_codes = codes_p + t * codes.size(1) * 16;
+      const float *tile_scales = scales_p + t * (in / 32) * 16, *tile_offsets = offsets_p + t * (in / 32) * 16;
+      for (const auto& [first, size] : blocks) {
+        const float* block_x = xt.data() + first * in;
+        float* block_out = out_p + first * n + t * 16;
+        (bits == 4 ? group_rows<4> : group_rows<8>)(size, block_x, tile_codes, tile_scales, tile_offsets, in,
+                                                    block_out, n);
+      }
+    }
+  });
+  if (bias) out.add_(*bias);
+  return out;
+}
+
 // Row b of `logits` [batch, vocab]: a token drawn from softmax(logits[b] / t) by inverse CDF
 // at `uniform[b]` in [0, 1), t = temperature[b] (0: the argmax, scored at t = 1), and its
 // logprob log_softmax(logits[b] / t)[token]. One pass computes the exps and their sums per block
@@ -265,6 +385,7 @@ TORCH_LIBRARY(art_cpu_kernels, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("sample_tokens(Tensor logits, Tensor temperature, Tensor uniform) -> (Tensor, Tensor)");
+  m.def("linear_groups(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias, int bits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(art_cpu_kernels, CPU, m) {
@@ -272,4 +393,5 @@ TORCH_LIBRARY_IMPL(art_cpu_kernels, CPU, m) {
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_mul", silu_mul);
   m.impl("sample_tokens", sample_tokens);
+  m.impl("linear_groups", linear_groups);
 }
