@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import os
 import statistics
 import tempfile
@@ -105,7 +106,10 @@ def main() -> None:
     started = time.perf_counter()
     engine = TorchEngine(model_dir)
     with tempfile.TemporaryDirectory() as scratch:
-        save_random_adapter(model_dir, args.rank, Path(scratch))
+        # on a thread that then ends, taking its OpenMP team with it: a second team left alive
+        # beside the engine's would slow every decode step (see TorchEngine.__init__)
+        with concurrent.futures.ThreadPoolExecutor(1) as maker:
+            maker.submit(save_random_adapter, model_dir, args.rank, Path(scratch)).result()
         loading = time.perf_counter()
         asyncio.run(engine.load_adapter(ADAPTER, Path(scratch)))
         load_seconds = time.perf_counter() - loading

@@ -10,6 +10,8 @@ share a prompt, prefill only their new tokens.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import json
 import logging
 import threading
@@ -98,12 +100,38 @@ class TorchEngine:
                  dtype: str = "float32", cpu_kernels: bool = True) -> None:
         """`dtype`: the serving forward's weights and matmuls (see `LeanLlama`); on GPU always
         the model's bfloat16. `cpu_kernels`: decode with the fused kernels of `cpu_kernels.cpp`."""
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.base_model_name = served_model_name or Path(model_dir).name
+        self.max_batch_size = max_batch_size
+        self.constrainer = Constrainer(self.tokenizer)
+        self.peak_batch_size = 0  # most sequences decoded in one step so far
+        self._adapters: dict[str, LoraWeights | None] = {}  # None: the base model under another name
+        self._trainer: LoraTrainer | None = None
+        self._active: list[_Sequence] = []
+        self._waiting: deque[_Request] = deque()
+        self._jobs: deque[tuple[Callable[[], Any], asyncio.Future[Any], asyncio.AbstractEventLoop]] = deque()
+        self._prefixes: OrderedDict[tuple[int, ...], _PrefixEntry] = OrderedDict()
+        self._prefix_tokens = 0
+        self._prefix_budget = prefix_cache_tokens
+        self._wake = threading.Condition()
+        self._closed = False
+        # All of the engine's torch work runs on this one thread, loading included: GNU OpenMP
+        # keeps a thread team per calling thread, and with a second team alive on the machine's
+        # cores its threads stop spinning between parallel regions, so each of a decode step's
+        # ~200 small parallel kernels waits for its threads to wake (a 16-row step ~40% slower).
+        loaded: concurrent.futures.Future[None] = concurrent.futures.Future()
+        load = functools.partial(self._load, model_dir, max_model_len, threads, dtype, cpu_kernels)
+        self._worker = threading.Thread(target=self._run, args=(load, loaded), name="art-torch-engine", daemon=True)
+        self._worker.start()
+        loaded.result()  # raises what loading raised
+
+    def _load(self, model_dir: Path, max_model_len: int | None, threads: int | None, dtype: str,
+              cpu_kernels: bool) -> None:
         if threads:
             torch.set_num_threads(threads)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         started = time.perf_counter()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=model_dtype).to(self.device).eval()
         config = self.model.config
         self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
@@ -112,31 +140,13 @@ class TorchEngine:
         self.lean = LeanLlama(self.model, self.max_model_len,
                               dtype=None if self.device.type == "cuda" else getattr(torch, dtype),
                               fused_kernels=cpu_kernels)
-        self.base_model_name = served_model_name or Path(model_dir).name
-        self.max_batch_size = max_batch_size
         self.stop_ids = self._stop_token_ids()
-        self.constrainer = Constrainer(self.tokenizer)
-        self.peak_batch_size = 0  # most sequences decoded in one step so far
-        logger.info("Loaded %s in %.1f s on %s (serving weights %s, %s)", model_dir, time.perf_counter() - started,
-                    self.device, str(self.lean.weights_dtype).removeprefix("torch."),
-                    "fused decode kernels" if self.lean.kernels is not None else "eager decode ops")
-
-        self._adapters: dict[str, LoraWeights | None] = {}  # None: the base model under another name
         # merged copies only at full precision: in bf16 a small W + B A delta would round away
         self._merge_adapters = self.lean.weights_dtype == torch.float32
-        self._trainer: LoraTrainer | None = None
         self._cache = self.lean.new_cache()
-        self._active: list[_Sequence] = []
-        self._waiting: deque[_Request] = deque()
-        self._jobs: deque[tuple[Callable[[], Any], asyncio.Future[Any], asyncio.AbstractEventLoop]] = deque()
-        self._prefixes: OrderedDict[tuple[int, ...], _PrefixEntry] = OrderedDict()
-        self._prefix_tokens = 0
-        self._prefix_budget = prefix_cache_tokens
-        self._wake = threading.Condition()
-        self._model_lock = threading.Lock()  # held for a step; adapter swaps wait for it
-        self._closed = False
-        self._worker = threading.Thread(target=self._run, name="art-torch-engine", daemon=True)
-        self._worker.start()
+        logger.info("Loaded %s in %.1f s on %s (serving weights %s, %s)", model_dir, time.perf_counter() - started,
+                    self.device, self.lean.weights_layout(), "fused decode kernels" if self.lean.kernels is not None
+                    else "eager decode ops")
 
     def _stop_token_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -156,8 +166,7 @@ class TorchEngine:
         """Serve the adapter at `path` (None: the base model) as `name`. The adapter loaded last
         also gets merged weights (see `LeanLlama.merge`): the rollouts of a training run, which all
         use the newest checkpoint, then decode as fast as the base model."""
-        weights = None if path is None else await asyncio.to_thread(self._adapter_at, Path(path).resolve())
-        await asyncio.to_thread(self._set_adapter, name, weights)
+        await self._on_worker(lambda: self._set_adapter(name, None if path is None else self._adapter_at(Path(path).resolve())))
 
     def _adapter_at(self, path: Path) -> LoraWeights:
         """The adapter already served from `path` (a checkpoint served under two names is one
@@ -170,19 +179,14 @@ class TorchEngine:
         return weights
 
     def _set_adapter(self, name: str, weights: LoraWeights | None) -> None:
-        with self._model_lock:
-            if weights is not None and weights.merged is not None:
-                for other in self._adapters.values():
-                    if other is not None and other is not weights:
-                        other.merged = None  # one merged copy at a time: it is as large as the weights
-            self._adapters[name] = weights
+        if weights is not None and weights.merged is not None:
+            for other in self._adapters.values():
+                if other is not None and other is not weights:
+                    other.merged = None  # one merged copy at a time: it is as large as the weights
+        self._adapters[name] = weights
 
     async def remove_adapter(self, name: str) -> None:
-        def remove() -> None:
-            with self._model_lock:
-                self._adapters.pop(name, None)
-
-        await asyncio.to_thread(remove)
+        await self._on_worker(lambda: self._adapters.pop(name, None))
 
     async def train_step(self, model_name: str, sequences: list[TrainSequence], config: TrainConfig,
                          lora: LoraConfig, resume_from: Path | None, save_to: Path) -> dict[str, float]:
@@ -273,7 +277,13 @@ class TorchEngine:
 
     # ----- the worker thread ------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, load: Callable[[], None], loaded: concurrent.futures.Future[None]) -> None:
+        try:
+            load()
+        except BaseException as error:  # the constructor re-raises it
+            loaded.set_exception(error)
+            return
+        loaded.set_result(None)
         while True:
             with self._wake:
                 while not self._closed and not self._waiting and not self._active and not self._jobs:
@@ -281,14 +291,13 @@ class TorchEngine:
                 if self._closed:
                     break
             self._run_jobs()
-            with self._model_lock:
-                try:
-                    self._admit()
-                    if self._active:
-                        self._decode_step()
-                except Exception as error:  # a failed step fails its requests, never the server
-                    logger.exception("Engine step failed; failing the %d active sequences", len(self._active))
-                    self._fail_active(error)
+            try:
+                self._admit()
+                if self._active:
+                    self._decode_step()
+            except Exception as error:  # a failed step fails its requests, never the server
+                logger.exception("Engine step failed; failing the %d active sequences", len(self._active))
+                self._fail_active(error)
         for seq in self._active:
             self._send(seq.request, RuntimeError("The engine was closed."))
 
@@ -296,8 +305,7 @@ class TorchEngine:
         while self._jobs:
             job, future, loop = self._jobs.popleft()
             try:
-                with self._model_lock:
-                    result = job()
+                result = job()
             except Exception as error:  # the job's caller gets the error; the engine goes on
                 loop.call_soon_threadsafe(future.set_exception, error)
             else:
