@@ -29,7 +29,8 @@ LoRA adapters are applied unmerged, per row: row b of a batch adds
 scale * (x A_b^T) B_b^T, where A_b, B_b belong to that row's adapter. An adapter may also carry
 merged weights, W + scale * B A packed like the base ones: a batch whose rows all use it (a
 rollout step) then costs what the base model costs, at the price of a dense copy of the
-adapted projections.
+adapted projections. Over exact integer groups the engine does not merge: the groups plus the
+unmerged delta are faster than a merged float32 copy.
 """
 
 from __future__ import annotations
@@ -218,12 +219,18 @@ class LeanLlama:
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
 
-    def weights_layout(self) -> str:
-        """The serving weights' dtype, and how many matrices are served as exact integer groups."""
+    @property
+    def grouped_matrices(self) -> int:
+        """How many weight matrices are served as exact integer groups (`linear_groups`)."""
         linears = [self.lm_head, *(linear for layer in self.linears for linear in layer.values())]
-        grouped = sum(linear.groups is not None for linear in linears)
+        return sum(linear.groups is not None for linear in linears)
+
+    def weights_layout(self) -> str:
+        """The serving weights' dtype, and how many matrices are exact integer groups, for the log."""
         dtype = str(self.weights_dtype).removeprefix("torch.")
-        return f"{dtype}, {grouped} of {len(linears)} matrices as exact integer groups" if grouped else dtype
+        matrices = 1 + sum(len(layer) for layer in self.linears)
+        grouped = self.grouped_matrices
+        return f"{dtype}, {grouped} of {matrices} matrices as exact integer groups" if grouped else dtype
 
     def _fused(self, layer: int, projection: str) -> tuple[Tensor, Tensor | None]:
         """A fused projection's weight [out, in] and bias (None unless every module has one)."""

@@ -141,8 +141,10 @@ class TorchEngine:
                               dtype=None if self.device.type == "cuda" else getattr(torch, dtype),
                               fused_kernels=cpu_kernels)
         self.stop_ids = self._stop_token_ids()
-        # merged copies only at full precision: in bf16 a small W + B A delta would round away
-        self._merge_adapters = self.lean.weights_dtype == torch.float32
+        # merged copies only at full precision (in bf16 a small W + B A delta would round away) and
+        # over float32 layouts: exact integer groups plus the unmerged delta decode faster than a
+        # merged float32 copy (embedded model, 16 rows: 439 against 331 tok/s)
+        self._merge_adapters = self.lean.weights_dtype == torch.float32 and not self.lean.grouped_matrices
         self._cache = self.lean.new_cache()
         logger.info("Loaded %s in %.1f s on %s (serving weights %s, %s)", model_dir, time.perf_counter() - started,
                     self.device, self.lean.weights_layout(), "fused decode kernels" if self.lean.kernels is not None
@@ -164,14 +166,17 @@ class TorchEngine:
 
     async def load_adapter(self, name: str, path: Path | None) -> None:
         """Serve the adapter at `path` (None: the base model) as `name`. The adapter loaded last
-        also gets merged weights (see `LeanLlama.merge`): the rollouts of a training run, which all
-        use the newest checkpoint, then decode as fast as the base model."""
-        await self._on_worker(lambda: self._set_adapter(name, None if path is None else self._adapter_at(Path(path).resolve())))
+        also gets merged weights where they are faster (see `LeanLlama.merge`): the rollouts of a
+        training run, which all use the newest checkpoint, then decode as fast as the base model."""
+        def load() -> None:
+            self._set_adapter(name, None if path is None else self._adapter_at(Path(path).resolve()))
+
+        await self._on_worker(load)
 
     def _adapter_at(self, path: Path) -> LoraWeights:
         """The adapter already served from `path` (a checkpoint served under two names is one
         adapter: its rows batch and share cached prefixes), else the one read from there; with
-        merged weights unless the serving dtype rules them out."""
+        merged weights unless the serving layout rules them out."""
         served = (w for w in list(self._adapters.values()) if w is not None and w.source == path)
         weights = next(served, None) or self._read_adapter(path)
         if self._merge_adapters and weights.merged is None:
