@@ -42,7 +42,8 @@ class BackendSettings(BaseSettings):
     threads: int | None = Field(default=None, description="torch CPU threads. Default: all cores.")
     dtype: Literal["float32", "bfloat16"] = Field(
         default="float32", description="CPU: the serving forward's weights and matmuls. bfloat16 is ~1.2x faster "
-        "on CPUs with AVX512-BF16 or AMX; sampled logprobs then differ from the fp32 trainer's by ~0.03 nats on "
+        "on CPUs with AVX512-BF16 or AMX for weights that are not exact integer groups (the embedded model's are, "
+        "and are as fast in float32); sampled logprobs then differ from the fp32 trainer's by ~0.03 nats on "
         "average. The trainer stays in float32. On GPU the model's bfloat16 is always used.")
     cpu_kernels: bool = Field(
         default=True, description="CPU: decode with fused C++ kernels (~1.25x faster steps), built once per "

@@ -1,9 +1,11 @@
 // Fused float32 kernels for LeanLlama's CPU decode step (one new token per row).
 //
-// At decode batch sizes the step's matmuls already stream their weights at the memory-bandwidth
-// limit; what is left between them is ~20 small torch ops per layer, each a dispatch and a pass
-// over memory. Three ops here replace them, and a fourth draws the next tokens. Built by
-// cpu_kernels.py; each has an eager twin (llama.py, sampling.py) that the tests compare it with.
+// At decode batch sizes the step's matmuls stream their weights at the memory-bandwidth limit;
+// what is left between them is ~20 small torch ops per layer, each a dispatch and a pass over
+// memory. Three ops here replace them, a fourth draws the next tokens, and a fifth multiplies
+// weights stored as exact integer groups, which cuts the bytes those matmuls stream. Built by
+// cpu_kernels.py; each has an eager twin (llama.py, sampling.py, float64) that the tests compare
+// it with.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -42,7 +42,7 @@ def load_cpu_kernels() -> Any | None:
              is_python_module=False)
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as error:
         logger.warning(
-            "The fused CPU decode kernels could not be built, so decoding uses plain torch ops (~1.2x slower): %s. "
+            "The fused CPU decode kernels could not be built, so decoding uses plain torch ops and float32 weights (~2x slower for the embedded model): %s. "
             "To build them, install a C++ compiler (g++) and the `ninja` package; to skip the attempt, set "
             "ART_BACKEND_CPU_KERNELS=false.", error)
         return None
