@@ -24,7 +24,9 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from art_backend.config import BackendSettings
@@ -37,6 +39,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 ADAPTER = "bench-adapter"
+T = TypeVar("T")
 
 
 def save_random_adapter(model_dir: Path, rank: int, path: Path) -> None:
@@ -48,6 +51,13 @@ def save_random_adapter(model_dir: Path, rank: int, path: Path) -> None:
             if "lora_B" in name:
                 param.normal_(0, 0.01)
     peft_model.save_pretrained(path)
+
+
+def on_a_passing_thread(job: Callable[..., T], *args: Any) -> T:
+    """`job(*args)` on a thread that then ends, taking its OpenMP team with it: a second team left
+    alive beside the engine's would slow every decode step (see TorchEngine.__init__)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        return thread.submit(job, *args).result()
 
 
 async def one_request(engine: TorchEngine, prompt: list[int], model: str | None, new_tokens: int) -> int:
@@ -71,11 +81,7 @@ async def bench(engine: TorchEngine, levels: list[int], new_tokens: int, repeats
     adapter = engine.resolve_adapter(ADAPTER)
     assert adapter is not None
     served = adapter.merged  # None where the engine serves it unmerged (over exact integer groups)
-    if served is None:  # merged anyway for the comparison, on a thread that then ends (see main)
-        with concurrent.futures.ThreadPoolExecutor(1) as merger:
-            merged = merger.submit(engine.lean.merge, adapter).result()
-    else:
-        merged = served
+    merged = served if served is not None else on_a_passing_thread(engine.lean.merge, adapter)  # for the comparison
     print(f"The engine serves the adapter {'merged' if served is not None else 'unmerged'} "
           f"(base weights: {engine.lean.weights_layout()})", flush=True)
     tokenizer = engine.tokenizer
@@ -114,10 +120,7 @@ def main() -> None:
     started = time.perf_counter()
     engine = TorchEngine(model_dir)
     with tempfile.TemporaryDirectory() as scratch:
-        # on a thread that then ends, taking its OpenMP team with it: a second team left alive
-        # beside the engine's would slow every decode step (see TorchEngine.__init__)
-        with concurrent.futures.ThreadPoolExecutor(1) as maker:
-            maker.submit(save_random_adapter, model_dir, args.rank, Path(scratch)).result()
+        on_a_passing_thread(save_random_adapter, model_dir, args.rank, Path(scratch))
         loading = time.perf_counter()
         asyncio.run(engine.load_adapter(ADAPTER, Path(scratch)))
         load_seconds = time.perf_counter() - loading

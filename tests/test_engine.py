@@ -64,6 +64,15 @@ def test_lean_forward_matches_transformers(model_fixture: str, request: pytest.F
     torch.testing.assert_close(step[:, 0], reference_next, atol=1e-3, rtol=1e-4)
 
 
+def _kernels_or_skip() -> Any:
+    """The fused CPU kernels; where a compiler exists they must build, elsewhere the test skips."""
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        assert not shutil.which("c++"), "the fused kernels did not build although a compiler exists"
+        pytest.skip("no C++ compiler: the fused kernels cannot be built here")
+    return kernels
+
+
 def _exact_groups_apply(lean: LeanLlama) -> bool:
     """Whether `lean` may serve exact integer groups here; where a compiler exists, the kernels must build."""
     if lean.kernels is None:
@@ -72,11 +81,8 @@ def _exact_groups_apply(lean: LeanLlama) -> bool:
 
 
 def test_exact_integer_groups_are_found_and_multiply_as_the_float32_weights(embedded_model_dir: Path) -> None:
+    kernels = _kernels_or_skip()
     model = AutoModelForCausalLM.from_pretrained(embedded_model_dir).eval()
-    kernels = load_cpu_kernels()
-    if kernels is None:
-        assert not shutil.which("c++"), "the fused kernels did not build although a compiler exists"
-        pytest.skip("no C++ compiler: the kernels cannot be built here")
     gate = model.model.layers[3].mlp.gate_proj.weight.detach()  # GGUF Q4_1
     embedding = model.get_output_embeddings().weight.detach()  # GGUF Q8_0
     for weight, bits in ((gate, 4), (embedding, 8)):
@@ -157,10 +163,7 @@ def test_fused_decode_kernels_match_the_eager_ops(model_fixture: str, request: p
 
 
 def test_fused_sampling_draws_what_the_torch_sampler_draws() -> None:
-    kernels = load_cpu_kernels()
-    if kernels is None:
-        assert not shutil.which("c++"), "the fused kernels did not build although a compiler exists"
-        pytest.skip("no C++ compiler: the fused kernels cannot be built here")
+    kernels = _kernels_or_skip()
     torch.manual_seed(0)
     logits = torch.randn(64, 49152) * 4  # the embedded model's vocabulary, peaked rows
 

@@ -219,18 +219,19 @@ class LeanLlama:
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
 
+    def _frozen_linears(self) -> list[FrozenLinear]:
+        return [self.lm_head, *(linear for layer in self.linears for linear in layer.values())]
+
     @property
     def grouped_matrices(self) -> int:
         """How many weight matrices are served as exact integer groups (`linear_groups`)."""
-        linears = [self.lm_head, *(linear for layer in self.linears for linear in layer.values())]
-        return sum(linear.groups is not None for linear in linears)
+        return sum(linear.groups is not None for linear in self._frozen_linears())
 
     def weights_layout(self) -> str:
         """The serving weights' dtype, and how many matrices are exact integer groups, for the log."""
         dtype = str(self.weights_dtype).removeprefix("torch.")
-        matrices = 1 + sum(len(layer) for layer in self.linears)
         grouped = self.grouped_matrices
-        return f"{dtype}, {grouped} of {matrices} matrices as exact integer groups" if grouped else dtype
+        return f"{dtype}, {grouped} of {len(self._frozen_linears())} matrices as exact integer groups" if grouped else dtype
 
     def _fused(self, layer: int, projection: str) -> tuple[Tensor, Tensor | None]:
         """A fused projection's weight [out, in] and bias (None unless every module has one)."""
