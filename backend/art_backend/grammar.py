@@ -3,8 +3,9 @@
 The embedded engine enforces them with llguidance (chosen over xgrammar by
 `benchmarks/bench_grammar.py`: both compute a token mask in well under a millisecond, but
 llguidance compiles a new schema ~8x faster, and every request brings its own schema).
-Grammars are llguidance's JSON/lark specs, so a request is checked once here, before it
-reaches an engine.
+Grammars are llguidance lark text (JSON schemas embedded with `%json`): the torch engine
+builds matchers from it, and the vLLM engine hands the same text to vLLM's structured outputs
+(guidance backend) as a grammar, so both engines enforce exactly the same structure.
 """
 
 from __future__ import annotations
@@ -45,23 +46,26 @@ def tool_call_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
     # then re-renders to the same text, so the next turn's prompt extends this turn's tokens.
     schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
     repeat = ' ("\\n" call)*' if parallel else ""
-    lark = (f"start: call{repeat}\n"
+    return (f"start: call{repeat}\n"
             f"call: {_lark_string(TOOL_CALL_OPEN + chr(10))} body {_lark_string(chr(10) + TOOL_CALL_CLOSE)}\n"
             f"body: %json {json.dumps(schema)}\n")
-    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def _json_lark(schema: dict[str, Any]) -> str:
+    return f"start: %json {json.dumps(schema)}\n"
 
 
 def json_grammar(response_format: dict[str, Any]) -> str | None:
     """OpenAI `response_format` -> grammar; None for plain text."""
     kind = response_format.get("type")
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+        return _json_lark({"type": "object"})
     if kind == "json_schema":
         spec = response_format.get("json_schema") or {}
         schema = spec.get("schema")
         if not isinstance(schema, dict):
             raise GrammarError("response_format.json_schema.schema must be a JSON schema object")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema)
+        return _json_lark(schema)
     return None
 
 
