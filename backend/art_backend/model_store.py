@@ -9,6 +9,7 @@ safetensors model directory under the cache dir; later starts load that in about
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 TINY_MODEL_NAME = "tiny-random-smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_TINY_HIDDEN_SIZE = 128
 
 
 class ModelNotFoundError(RuntimeError):
@@ -85,7 +87,8 @@ def embedded_model_dir(cache_dir: Path) -> Path:
 
 
 def tiny_model_dir(cache_dir: Path) -> Path:
-    """A randomly initialised 2-layer Llama with SmolLM2's tokenizer, for fast tests."""
+    """A randomly initialised 2-layer Llama with SmolLM2's tokenizer, for fast tests. Its heads are
+    64 wide, a size vLLM's CPU attention kernels take (they refuse 16)."""
 
     def build(out: Path) -> None:
         import torch
@@ -95,11 +98,11 @@ def tiny_model_dir(cache_dir: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(source)
         config = LlamaConfig(
             vocab_size=len(tokenizer),
-            hidden_size=64,
-            intermediate_size=128,
+            hidden_size=_TINY_HIDDEN_SIZE,
+            intermediate_size=256,
             num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
             max_position_embeddings=2048,
             tie_word_embeddings=True,
             bos_token_id=tokenizer.bos_token_id,
@@ -110,7 +113,11 @@ def tiny_model_dir(cache_dir: Path) -> Path:
         LlamaForCausalLM(config).save_pretrained(out)
         tokenizer.save_pretrained(out)
 
-    return _publish(build, cache_dir / "models" / TINY_MODEL_NAME)
+    target = cache_dir / "models" / TINY_MODEL_NAME
+    config = target / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("hidden_size") != _TINY_HIDDEN_SIZE:
+        shutil.rmtree(target)  # an earlier version's shape
+    return _publish(build, target)
 
 
 def resolve_model_dir(model: str | None, cache_dir: Path) -> Path:
