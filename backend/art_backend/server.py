@@ -29,6 +29,7 @@ from art_backend.engine.base import (
     ContextLengthError,
     Engine,
     GenerationRequest,
+    InvalidSamplingError,
     ModelNotServedError,
     SamplingParams,
     SequenceDelta,
@@ -327,6 +328,7 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
 
     @app.exception_handler(ChatFormatError)
     @app.exception_handler(GrammarError)
+    @app.exception_handler(InvalidSamplingError)
     @app.exception_handler(TrainingRequestError)
     @app.exception_handler(UnsupportedFeatureError)
     async def on_bad_request(_: Request, error: Exception) -> JSONResponse:

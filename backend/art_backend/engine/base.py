@@ -1,7 +1,8 @@
 """The interface between the HTTP layer and a model engine.
 
-The server only ever calls these methods, so the embedded torch engine and a GPU engine
-(vLLM for serving, Unsloth/peft for training) are interchangeable behind it.
+The server only ever calls these methods, so the embedded torch engine (`torch_engine.py`) and
+the vLLM engine (`vllm_engine.py`) are interchangeable behind it: prompts arrive as token ids,
+the engines sample and report logprobs the same way, and both train with the same GRPO step.
 """
 
 from __future__ import annotations
@@ -72,6 +73,21 @@ class ContextLengthError(ValueError):
         )
 
 
+class InvalidSamplingError(ValueError):
+    """Sampling settings the engine refuses (the message says which and why): a 400, not a 500."""
+
+
+def end_of_turn_ids(tokenizer: Any, generation_eos: int | list[int] | None) -> set[int]:
+    """The tokens that end a reply: the tokenizer's EOS, the model's generation-config EOS ids, and
+    ChatML's `<|im_end|>` where the vocabulary has it (some ChatML models name another EOS)."""
+    ids = {tokenizer.eos_token_id}
+    ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return {i for i in ids if i is not None}
+
+
 class Engine(Protocol):
     base_model_name: str
     max_model_len: int
@@ -91,6 +107,10 @@ class Engine(Protocol):
         ...
 
     async def remove_adapter(self, name: str) -> None: ...
+
+    def check_lora(self, lora: LoraConfig) -> None:
+        """Raise ValueError, naming the setting to change, if adapters of this shape cannot be served."""
+        ...
 
     async def train_step(self, model_name: str, sequences: list[TrainSequence], config: TrainConfig,
                          lora: LoraConfig, resume_from: Path | None, save_to: Path) -> dict[str, float]:

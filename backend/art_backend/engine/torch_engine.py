@@ -34,6 +34,7 @@ from art_backend.engine.base import (
     ModelNotServedError,
     SequenceDelta,
     TokenLogprob,
+    end_of_turn_ids,
 )
 from art_backend.engine.llama import LORA_TARGETS, LeanLlama, LoraWeights
 from art_backend.engine.sampling import RowSampling, sample
@@ -140,7 +141,7 @@ class TorchEngine:
         self.lean = LeanLlama(self.model, self.max_model_len,
                               dtype=None if self.device.type == "cuda" else getattr(torch, dtype),
                               fused_kernels=cpu_kernels)
-        self.stop_ids = self._stop_token_ids()
+        self.stop_ids = end_of_turn_ids(self.tokenizer, self.model.generation_config.eos_token_id)
         # merged copies only at full precision (in bf16 a small W + B A delta would round away) and
         # over float32 layouts: exact integer groups plus the unmerged delta decode faster than a
         # merged float32 copy (embedded model, 16 rows: 439 against 331 tok/s)
@@ -149,15 +150,6 @@ class TorchEngine:
         logger.info("Loaded %s in %.1f s on %s (serving weights %s, %s)", model_dir, time.perf_counter() - started,
                     self.device, self.lean.weights_layout(), "fused decode kernels" if self.lean.kernels is not None
                     else "eager decode ops")
-
-    def _stop_token_ids(self) -> set[int]:
-        ids = {self.tokenizer.eos_token_id}
-        eos = self.model.generation_config.eos_token_id
-        ids.update(eos if isinstance(eos, list) else [eos])
-        im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
-            ids.add(im_end)
-        return {i for i in ids if i is not None}
 
     # ----- the Engine interface ---------------------------------------------------------
 
@@ -192,6 +184,11 @@ class TorchEngine:
 
     async def remove_adapter(self, name: str) -> None:
         await self._on_worker(lambda: self._adapters.pop(name, None))
+
+    def check_lora(self, lora: LoraConfig) -> None:
+        unknown = sorted(set(lora.target_modules) - set(LORA_TARGETS))
+        if unknown:
+            raise ValueError(f"LoRA on {', '.join(unknown)} cannot be served; target modules: {', '.join(LORA_TARGETS)}.")
 
     async def train_step(self, model_name: str, sequences: list[TrainSequence], config: TrainConfig,
                          lora: LoraConfig, resume_from: Path | None, save_to: Path) -> dict[str, float]:

@@ -123,6 +123,10 @@ class TrainingService:
         saved = directory / "model.json"
         if saved.is_file():  # a model keeps the adapter shape it started with
             lora = LoraConfig.model_validate(json.loads(saved.read_text())["lora"])
+        try:
+            self.engine.check_lora(lora)
+        except ValueError as error:
+            raise TrainingRequestError(str(error)) from error
         directory.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps({"project": project, "name": name, "base_model": self.engine.base_model_name,
                                      "lora": lora.model_dump()}, indent=2))
