@@ -19,6 +19,9 @@ import httpx
 from openai import AsyncOpenAI
 
 
+ENGINES = ("auto", "torch", "vllm")
+
+
 class BackendError(RuntimeError):
     """The backend refused or failed a request; the message is the backend's own."""
 
@@ -75,24 +78,31 @@ class LocalBackend(Backend):
     child process (`in_process=False`). Stopped by `close()` or leaving `async with`.
 
     `model`: a local Hugging Face model directory; default the embedded SmolLM2-135M-Instruct.
+    `engine`: "torch", "vllm" or "auto" (the default, or `ART_BACKEND_ENGINE`: vLLM where a CUDA GPU
+    and vLLM are present, else the embedded torch engine). The vLLM engine starts processes of its
+    own: a script that starts it belongs under `if __name__ == "__main__":`.
     `art_dir`: where checkpoints, metrics and trajectories are written (default `.art`).
     `log_file`: with `in_process=False`, where the child's output goes (default: this process's).
+    Every other backend setting is read from its `ART_BACKEND_*` environment variable.
     """
 
-    def __init__(self, *, in_process: bool = True, model: str | None = None, art_dir: str | Path = ".art",
-                 port: int | None = None, startup_timeout: float = 600.0, log_file: str | Path | None = None) -> None:
+    def __init__(self, *, in_process: bool = True, model: str | None = None, engine: str | None = None,
+                 art_dir: str | Path = ".art", port: int | None = None, startup_timeout: float = 600.0,
+                 log_file: str | Path | None = None) -> None:
+        if engine not in (None, *ENGINES):
+            raise ValueError(f"engine={engine!r}: use one of {', '.join(map(repr, ENGINES))}.")
         port = port or _free_port()
         super().__init__(f"http://127.0.0.1:{port}")
         self._process: subprocess.Popen[bytes] | None = None
         self._server: Any = None
         self._thread: threading.Thread | None = None
         if in_process:
-            self._start_in_process(port, model, Path(art_dir))
+            self._start_in_process(port, model, engine, Path(art_dir))
         else:
-            self._start_child(port, model, Path(art_dir), log_file)
+            self._start_child(port, model, engine, Path(art_dir), log_file)
         self._wait_until_up(startup_timeout)
 
-    def _start_in_process(self, port: int, model: str | None, art_dir: Path) -> None:
+    def _start_in_process(self, port: int, model: str | None, engine: str | None, art_dir: Path) -> None:
         try:
             import uvicorn
 
@@ -103,16 +113,20 @@ class LocalBackend(Backend):
                 f"LocalBackend needs the art-backend package ({error}): install it with "
                 "`pip install -e ./backend` (or `make setup`), or connect to a running one with RemoteBackend(url)."
             ) from error
-        settings = BackendSettings(port=port, art_dir=art_dir, **({"model": model} if model else {}))
+        chosen = {k: v for k, v in {"model": model, "engine": engine}.items() if v is not None}
+        settings = BackendSettings(port=port, art_dir=art_dir, **chosen)
         config = uvicorn.Config(build_app(settings), host="127.0.0.1", port=port, log_level="warning")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="art-local-backend", daemon=True)
         self._thread.start()
 
-    def _start_child(self, port: int, model: str | None, art_dir: Path, log_file: str | Path | None) -> None:
+    def _start_child(self, port: int, model: str | None, engine: str | None, art_dir: Path,
+                     log_file: str | Path | None) -> None:
         command = [sys.executable, "-m", "art_backend", "serve", "--port", str(port), "--art-dir", str(art_dir)]
         if model:
             command += ["--model", model]
+        if engine:
+            command += ["--engine", engine]
         log = open(log_file, "ab") if log_file is not None else None  # noqa: SIM115 - the child owns it
         self._process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log,
                                          stderr=subprocess.STDOUT if log else None)

@@ -2,19 +2,51 @@
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+
 from fastapi import FastAPI
 
 from art_backend.config import BackendSettings
-from art_backend.engine.torch_engine import TorchEngine
+from art_backend.engine.base import Engine
 from art_backend.model_store import resolve_model_dir
 from art_backend.server import create_app
 from art_backend.training.service import TrainingService
 
+logger = logging.getLogger(__name__)
 
-def build_engine(settings: BackendSettings) -> TorchEngine:
+
+def choose_engine(requested: str) -> tuple[str, str]:
+    """The engine to serve with, and why."""
+    if requested != "auto":
+        return requested, "asked for"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "torch", "auto: no CUDA GPU"
+    if importlib.util.find_spec("vllm") is None:
+        return "torch", "auto: CUDA GPU but vLLM is not installed (pip install 'art-backend[vllm]')"
+    return "vllm", "auto: CUDA GPU and vLLM"
+
+
+def build_engine(settings: BackendSettings) -> Engine:
     model_dir = resolve_model_dir(settings.model, settings.cache_dir)
+    engine, reason = choose_engine(settings.engine)
+    logger.info("Engine: %s (%s)", engine, reason)
+    if engine == "vllm":
+        from art_backend.engine.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_dir, served_model_name=settings.served_model_name,
+                          max_model_len=settings.max_model_len, dtype=settings.dtype,
+                          max_batch_size=settings.max_batch_size,
+                          gpu_memory_utilization=settings.gpu_memory_utilization,
+                          kv_cache_memory_bytes=settings.kv_cache_memory_bytes, max_loras=settings.max_loras,
+                          max_cpu_loras=settings.max_cpu_loras, max_lora_rank=settings.max_lora_rank,
+                          tensor_parallel_size=settings.tensor_parallel_size, engine_args=settings.vllm_engine_args)
+    from art_backend.engine.torch_engine import TorchEngine
+
     return TorchEngine(model_dir, served_model_name=settings.served_model_name,
-                       max_model_len=settings.max_model_len, max_batch_size=settings.max_batch_size,
+                       max_model_len=settings.max_model_len, max_batch_size=settings.max_batch_size or 64,
                        threads=settings.threads, dtype=settings.dtype,
                        cpu_kernels=settings.cpu_kernels)
 

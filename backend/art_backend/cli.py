@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 from urllib.parse import quote
 
 import typer
+from pydantic import ValidationError
 
 from art_backend.config import BackendSettings
 
@@ -37,6 +39,19 @@ def require_key_off_loopback(host: str, api_key: str | None, what: str) -> None:
             "(or set ART_BACKEND_API_KEY), or bind 127.0.0.1.", param_hint="--host")
 
 
+def _json_object(text: str | None, option: str) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise typer.BadParameter(f"not JSON ({error}): pass an object such as '{{\"enforce_eager\": true}}'",
+                                 param_hint=option) from None
+    if not isinstance(value, dict):
+        raise typer.BadParameter("pass a JSON object of argument names and values", param_hint=option)
+    return value
+
+
 @app.command()
 def serve(
     host: Annotated[Optional[str], typer.Option(help="Address to bind. Default 127.0.0.1.")] = None,
@@ -55,15 +70,36 @@ def serve(
         help="CPU: float32 (default) or bfloat16, the serving forward's weights and matmuls (bfloat16: ~1.2x "
              "faster on AVX512-BF16/AMX CPUs, sampled logprobs ~0.03 nats off the fp32 trainer's). "
              "Env: ART_BACKEND_DTYPE.")] = None,
+    engine: Annotated[Optional[str], typer.Option(
+        help="auto (default: vLLM where a CUDA GPU and vLLM are present, else torch), torch or vllm. "
+             "Env: ART_BACKEND_ENGINE.")] = None,
+    gpu_memory_utilization: Annotated[Optional[float], typer.Option(
+        help="vLLM: fraction of GPU memory for weights and KV cache.")] = None,
+    kv_cache_memory_bytes: Annotated[Optional[int], typer.Option(
+        help="vLLM: bytes of KV cache (default on CPU: 1 GiB).")] = None,
+    max_loras: Annotated[Optional[int], typer.Option(help="vLLM: adapters in one batch (default 4).")] = None,
+    max_cpu_loras: Annotated[Optional[int], typer.Option(help="vLLM: adapters kept loaded.")] = None,
+    max_lora_rank: Annotated[Optional[int], typer.Option(help="vLLM: highest LoRA rank served (default 16).")] = None,
+    tensor_parallel_size: Annotated[Optional[int], typer.Option(help="vLLM: GPUs per model.")] = None,
+    vllm_engine_args: Annotated[Optional[str], typer.Option(
+        help='vLLM: further AsyncEngineArgs as JSON, e.g. \'{"enforce_eager": true}\'.')] = None,
 ) -> None:
     """Serve the model on HTTP until interrupted."""
     if dtype not in (None, "float32", "bfloat16"):
         raise typer.BadParameter(f"{dtype!r}: use float32 or bfloat16", param_hint="--dtype")
+    if engine not in (None, "auto", "torch", "vllm"):
+        raise typer.BadParameter(f"{engine!r}: use auto, torch or vllm", param_hint="--engine")
     overrides = {k: v for k, v in {
         "host": host, "port": port, "model": model, "served_model_name": served_model_name,
         "api_key": api_key, "cache_dir": cache_dir, "max_model_len": max_model_len,
-        "art_dir": art_dir, "dtype": dtype}.items() if v is not None}
-    settings = BackendSettings(**overrides)
+        "art_dir": art_dir, "dtype": dtype, "engine": engine, "gpu_memory_utilization": gpu_memory_utilization,
+        "kv_cache_memory_bytes": kv_cache_memory_bytes, "max_loras": max_loras, "max_cpu_loras": max_cpu_loras,
+        "max_lora_rank": max_lora_rank, "tensor_parallel_size": tensor_parallel_size,
+        "vllm_engine_args": _json_object(vllm_engine_args, "--vllm-engine-args")}.items() if v is not None}
+    try:
+        settings = BackendSettings(**overrides)
+    except ValidationError as error:
+        raise typer.BadParameter(str(error)) from None
     require_key_off_loopback(settings.host, settings.api_key, "backend")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -38,8 +38,13 @@ class BackendSettings(BaseSettings):
     max_model_len: int | None = Field(
         default=None, description="Context limit in tokens. Default: the model's own, at most 8192."
     )
-    max_batch_size: int = Field(default=64, description="Sequences decoded together in one step.")
-    threads: int | None = Field(default=None, description="torch CPU threads. Default: all cores.")
+    engine: Literal["auto", "torch", "vllm"] = Field(
+        default="auto", description="What serves the model: the embedded torch engine, or vLLM. auto: vLLM where "
+        "a CUDA GPU and vLLM are both present, else torch.")
+    max_batch_size: int | None = Field(
+        default=None, ge=1, description="Sequences decoded together in one step. Default: 64 on the torch engine, "
+        "vLLM's own on vLLM (its max_num_seqs).")
+    threads: int | None = Field(default=None, description="torch engine: CPU threads. Default: all cores.")
     dtype: Literal["float32", "bfloat16"] = Field(
         default="float32", description="CPU: the serving forward's weights and matmuls. bfloat16 is ~1.2x faster "
         "on CPUs with AVX512-BF16 or AMX for weights that are not exact integer groups (the embedded model's are, "
@@ -48,3 +53,22 @@ class BackendSettings(BaseSettings):
     cpu_kernels: bool = Field(
         default=True, description="CPU: decode with fused C++ kernels (~1.25x faster steps), built once per "
         "machine (~20 s, needs a C++ compiler). false: plain torch ops only.")
+
+    # ----- the vLLM engine (vLLM's own names) -------------------------------------------
+    gpu_memory_utilization: float | None = Field(
+        default=None, gt=0, le=1, description="vLLM: the fraction of GPU memory it may take (weights and KV cache). "
+        "Default: vLLM's (0.9 on a GPU); on CPU the KV cache is sized by kv_cache_memory_bytes instead.")
+    kv_cache_memory_bytes: int | None = Field(
+        default=None, gt=0, description="vLLM: bytes of KV cache. Default on CPU 1 GiB (vLLM would reserve 92% of "
+        "the machine's memory); on a GPU sized from gpu_memory_utilization.")
+    max_loras: int = Field(default=4, ge=1, description="vLLM: adapters (checkpoints) decoded in one batch.")
+    max_cpu_loras: int | None = Field(
+        default=None, ge=1, description="vLLM: adapters kept loaded (least recently used out; others are read "
+        "again from their checkpoint on demand). Default: max_loras.")
+    max_lora_rank: int = Field(
+        default=16, description="vLLM: the highest LoRA rank it serves (one of 1, 8, 16, 32, 64, 128, 256, 320, 512); "
+        "registering a model with a higher rank is refused.")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM: GPUs that each layer is split across.")
+    vllm_engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="vLLM: further vllm.AsyncEngineArgs fields, as JSON "
+        '(e.g. {"enforce_eager": true}); they win over the settings above.')

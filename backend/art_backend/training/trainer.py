@@ -3,25 +3,58 @@
 One `LoraTrainer` holds every trained model's adapter on the shared base model; each model
 has its own named adapter and AdamW state, kept in memory between steps and in its
 checkpoint directory (`adapter_model.safetensors`, `adapter_config.json`, `optimizer.pt`)
-so a restarted backend continues exactly where it stopped.
+so a restarted backend continues exactly where it stopped. The torch engine trains its own
+serving model; the vLLM engine gives it a copy (`load_trainable_model`), from Unsloth's
+`FastLanguageModel` on a GPU where Unsloth imports (`unsloth.py`).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import math
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
-from transformers import PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from art_backend.training.loss import LossConfig, policy_loss
 from art_backend.training.tokenize import TrainSequence
 from art_integrations.training import LoraConfig, TrainConfig
+
+
+logger = logging.getLogger(__name__)
+
+# Wraps the base model in its first adapter; returns the PeftModel and that adapter's name.
+FirstAdapter = Callable[[PreTrainedModel, PeftLoraConfig, str], tuple[PeftModel, str]]
+
+
+def _peft_first_adapter(base: PreTrainedModel, config: PeftLoraConfig, name: str) -> tuple[PeftModel, str]:
+    return get_peft_model(base, config, adapter_name=name), name
+
+
+def load_trainable_model(model_dir: Path, max_seq_length: int) -> tuple[PreTrainedModel, FirstAdapter]:
+    """A copy of the base model for training beside another engine's serving weights: Unsloth's
+    on a GPU where `unsloth` imports (its kernels, our loss), else transformers' (float32 on CPU,
+    the precision the torch engine serves and the importance ratio compares; bfloat16 on a GPU)."""
+    if torch.cuda.is_available() and importlib.util.find_spec("unsloth") is not None:
+        try:
+            from art_backend.training.unsloth import load_unsloth_model
+        except Exception as error:  # noqa: BLE001 - Unsloth refuses some GPUs and versions at import
+            logger.warning("Unsloth is installed but does not import (%r); training with peft instead", error)
+        else:
+            return load_unsloth_model(model_dir, max_seq_length)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    logger.info("Trainer: peft LoRA on a %s copy of %s (%s)", device, model_dir, dtype)
+    return model, _peft_first_adapter
 
 
 def _adapter_key(model_name: str) -> str:
@@ -48,22 +81,27 @@ def _micro_batches(sequences: list[TrainSequence], budget: int) -> list[list[Tra
 
 
 class LoraTrainer:
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, first_adapter: FirstAdapter = _peft_first_adapter) -> None:
         self.base = model
+        self.first_adapter = first_adapter
         self.peft: PeftModel | None = None
+        self.keys: dict[str, str] = {}  # trained model name -> its peft adapter's name
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.device = next(model.parameters()).device
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
     def _adapter(self, model_name: str, lora: LoraConfig, resume_from: Path | None) -> tuple[str, list[torch.nn.Parameter]]:
-        key = _adapter_key(model_name)
-        if self.peft is None or key not in self.peft.peft_config:
+        key = self.keys.get(model_name)
+        if key is None:
             config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=lora.target_modules,
                                     lora_dropout=0.0, task_type="CAUSAL_LM")
+            key = _adapter_key(model_name)
             if self.peft is None:
-                self.peft = get_peft_model(self.base, config, adapter_name=key)
+                self.peft, key = self.first_adapter(self.base, config, key)
             else:
                 self.peft.add_adapter(key, config)
+            self.keys[model_name] = key
+        assert self.peft is not None
         self.peft.set_adapter(key)
         params = [p for n, p in self.peft.named_parameters() if f".{key}." in n]
         for p in params:

