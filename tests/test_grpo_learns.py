@@ -9,7 +9,10 @@ import re
 import statistics
 from pathlib import Path
 
+import pytest
+
 from art_integrations import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
+from tests.conftest import ENGINES
 
 TRAIN_CATEGORIES = ["color", "fruit", "animal", "country", "vegetable", "musical instrument", "sport", "planet"]
 HELD_OUT_CATEGORIES = ["flower", "metal", "city", "tree", "bird", "drink"]
@@ -45,8 +48,11 @@ def mean_reward(groups: list[TrajectoryGroup]) -> float:
     return statistics.fmean(t.reward for g in groups for t in g.trajectories)
 
 
-async def test_grpo_raises_held_out_reward_of_the_embedded_model(tmp_path: Path) -> None:
-    async with LocalBackend(art_dir=tmp_path) as backend:
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_grpo_raises_held_out_reward_of_the_embedded_model(tmp_path: Path, engine: str) -> None:
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    async with LocalBackend(engine=engine, art_dir=tmp_path) as backend:
         model = TrainableModel(name="one-word", project="proof")
         await model.register(backend)
         before = mean_reward(await rollout_groups(model, HELD_OUT_CATEGORIES, seed=99))
@@ -56,5 +62,5 @@ async def test_grpo_raises_held_out_reward_of_the_embedded_model(tmp_path: Path)
                                        TrainConfig(learning_rate=2e-4))
             assert result.step == step + 1
         after = mean_reward(await rollout_groups(model, HELD_OUT_CATEGORIES, seed=99))
-    print(f"held-out one-word reward: base {before:.3f} -> trained {after:.3f}")
+    print(f"held-out one-word reward ({engine} engine): base {before:.3f} -> trained {after:.3f}")
     assert after >= before + 0.2, (before, after)

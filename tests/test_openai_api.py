@@ -1,4 +1,5 @@
-"""The HTTP API through the clients users have: the openai SDK and langchain-openai."""
+"""The HTTP API through the clients users have: the openai SDK and langchain-openai, on the
+embedded model served by each engine (torch and vLLM)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -14,9 +16,11 @@ from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
+from art_backend.chat_format import ChatFormatter, encode_prompt
+from art_backend.engine.base import Engine
 from art_backend.engine.torch_engine import TorchEngine
 from art_backend.server import create_app
-from tests.conftest import ServerThread
+from tests.conftest import ENGINES, ServerThread, embedded_engine_named
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER_TOOL = {
@@ -39,6 +43,17 @@ FEW_SHOT = [
 TOKEN_IDS = {"return_token_ids": True}
 
 
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request: pytest.FixtureRequest) -> Engine:
+    return embedded_engine_named(request, request.param)
+
+
+@pytest.fixture(scope="module")
+def server(engine: Engine) -> Iterator[ServerThread]:
+    with ServerThread(create_app(engine)) as running:
+        yield running
+
+
 @pytest.fixture(scope="module")
 def client(server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
@@ -55,19 +70,21 @@ def test_models_lists_the_base_model(client: openai.OpenAI) -> None:
     assert models[0].model_extra["max_model_len"] == 8192
 
 
-def test_sync_completion_token_ids_decode_to_the_text(client: openai.OpenAI, embedded_engine: TorchEngine) -> None:
+def test_sync_completion_token_ids_decode_to_the_text(client: openai.OpenAI, engine: Engine) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     response = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}],
+        model=MODEL, messages=messages,
         max_tokens=24, temperature=0.7, seed=1, logprobs=True, top_logprobs=2, extra_body=TOKEN_IDS)
     choice = response.choices[0]
     token_ids = choice.model_extra["token_ids"]
-    tokenizer = embedded_engine.tokenizer
+    tokenizer = engine.tokenizer
     assert tokenizer.decode(token_ids, skip_special_tokens=True) == choice.message.content
     assert len(choice.logprobs.content) == len(token_ids) == response.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in choice.logprobs.content)
     prompt_ids = response.model_extra["prompt_token_ids"]
     assert len(prompt_ids) == response.usage.prompt_tokens
     assert tokenizer.decode(prompt_ids).endswith("<|im_start|>assistant\n")
+    assert prompt_ids == encode_prompt(tokenizer, ChatFormatter(tokenizer).render(messages, None, None))
     assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
 
 
@@ -80,8 +97,7 @@ def test_n_samples_come_back_as_separate_choices(client: openai.OpenAI) -> None:
     assert len({tuple(c.model_extra["token_ids"]) for c in response.choices}) > 1
 
 
-async def test_async_streaming_carries_token_ids_and_usage(async_client: openai.AsyncOpenAI,
-                                                           embedded_engine: TorchEngine) -> None:
+async def test_async_streaming_carries_token_ids_and_usage(async_client: openai.AsyncOpenAI, engine: Engine) -> None:
     stream = await async_client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Write one sentence about the sea."}],
         max_tokens=20, temperature=0, logprobs=True, stream=True,
@@ -91,7 +107,7 @@ async def test_async_streaming_carries_token_ids_and_usage(async_client: openai.
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     token_ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids") or []]
     logprobs = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
-    assert embedded_engine.tokenizer.decode(token_ids, skip_special_tokens=True) == text
+    assert engine.tokenizer.decode(token_ids, skip_special_tokens=True) == text
     assert len(logprobs) == len(token_ids) == chunks[-1].usage.completion_tokens
     assert chunks[-1].choices == []
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]

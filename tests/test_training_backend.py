@@ -1,5 +1,5 @@
-"""Training through the user's API against real backends (tiny model): checkpoints, serving,
-history, resuming after a restart, and a backend in a child process."""
+"""Training through the user's API against real backends (tiny model): checkpoints, serving
+(on each engine), history, resuming after a restart, and a backend in a child process."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from art_integrations import BackendError, GatheredGroups, LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
+from tests.conftest import ENGINES
 
 TINY = "tiny-random-smollm2"
 
@@ -29,9 +30,12 @@ async def _group(model: TrainableModel, scenario: str, rewards: list[float]) -> 
     return TrajectoryGroup(trajectories=trajectories)
 
 
-async def test_train_writes_a_checkpoint_serves_it_and_resumes_after_restart(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_train_writes_a_checkpoint_serves_it_and_resumes_after_restart(tmp_path: Path, engine: str) -> None:
+    if engine == "vllm":
+        pytest.importorskip("vllm")
     art_dir = tmp_path / ".art"
-    backend = LocalBackend(model=TINY, art_dir=art_dir)
+    backend = LocalBackend(model=TINY, engine=engine, art_dir=art_dir)
     try:
         model = TrainableModel(name="agent", project="demo")
         await model.register(backend)
@@ -76,7 +80,7 @@ async def test_train_writes_a_checkpoint_serves_it_and_resumes_after_restart(tmp
     finally:
         await backend.close()
 
-    restarted = LocalBackend(model=TINY, art_dir=art_dir)
+    restarted = LocalBackend(model=TINY, engine=engine, art_dir=art_dir)
     try:
         model = TrainableModel(name="agent", project="demo")
         await model.register(restarted)

@@ -1,0 +1,187 @@
+"""The contract every engine keeps, checked on each (torch and vLLM) with the embedded model:
+logprobs are the trainer's, adapters are served as peft computes them, seeds reproduce, stop
+strings cut, grammars hold, adapters a backend cannot serve are refused by name; and how the
+backend picks and configures an engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from art_backend.app import build_engine, choose_engine
+from art_backend.chat_format import ChatFormatter, encode_prompt
+from art_backend.config import BackendSettings
+from art_backend.engine.base import Engine, GenerationRequest, ModelNotServedError, SamplingParams
+from art_backend.grammar import json_grammar
+from art_integrations import LocalBackend
+from art_integrations.training import LoraConfig
+from tests.conftest import ENGINES, embedded_engine_named, random_adapter
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request: pytest.FixtureRequest) -> Engine:
+    return embedded_engine_named(request, request.param)
+
+
+@pytest.fixture(scope="module")
+def reference_model(embedded_model_dir: Path) -> Any:
+    """transformers' model in float32: what the trainer recomputes logprobs with."""
+    return AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.float32).eval()
+
+
+def _prompt(engine: Engine, text: str) -> list[int]:
+    return encode_prompt(engine.tokenizer, ChatFormatter(engine.tokenizer).render(
+        [{"role": "user", "content": text}], None, None))
+
+
+async def _run(engine: Engine, request: GenerationRequest) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    async for delta in engine.generate(request):
+        seq = out.setdefault(delta.index, {"ids": [], "logprobs": [], "top": [], "text": "", "finish": None})
+        seq["ids"] += delta.token_ids
+        seq["logprobs"] += [lp.logprob for lp in delta.logprobs]
+        seq["top"] += [lp.top for lp in delta.logprobs]
+        seq["text"] += delta.text
+        seq["finish"] = delta.finish_reason or seq["finish"]
+    return out
+
+
+def _trainer_logprobs(model: Any, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+    """log softmax(logits / temperature) at each completion token, as `LoraTrainer` computes it."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].float()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs.gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+async def test_sampled_logprobs_are_the_ones_the_trainer_recomputes(engine: Engine, reference_model: Any,
+                                                                    temperature: float) -> None:
+    prompt = _prompt(engine, "Name three colors.")
+    out = (await _run(engine, GenerationRequest(prompt, SamplingParams(
+        max_tokens=24, temperature=temperature, seed=1, top_logprobs=3))))[0]
+    assert engine.tokenizer.decode(out["ids"], skip_special_tokens=True) == out["text"]
+    expected = _trainer_logprobs(reference_model, prompt, out["ids"], temperature or 1.0)
+    assert out["logprobs"] == pytest.approx(expected, abs=2e-3)
+    for top, chosen in zip(out["top"], out["logprobs"]):
+        assert len(top) == 3 and [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+        assert top[0][1] >= chosen - 1e-5
+
+
+async def test_an_adapter_is_served_as_peft_computes_it(engine: Engine, embedded_model_dir: Path,
+                                                        tmp_path: Path) -> None:
+    peft_model = random_adapter(embedded_model_dir, tmp_path / "adapter", ALL_PROJECTIONS, rank=8, scale=0.02)
+    for name in ("probe", "probe@1"):  # one checkpoint under two names, as the training service serves it
+        await engine.load_adapter(name, tmp_path / "adapter")
+    try:
+        assert {"probe", "probe@1"} <= set(engine.served_models())
+        prompt = _prompt(engine, "Name three colors.")
+        greedy = SamplingParams(max_tokens=16, temperature=0)
+        adapted = (await _run(engine, GenerationRequest(prompt, greedy, model="probe")))[0]
+        again = (await _run(engine, GenerationRequest(prompt, greedy, model="probe@1")))[0]
+        plain = (await _run(engine, GenerationRequest(prompt, greedy)))[0]
+        assert adapted["ids"] == again["ids"]
+        assert adapted["logprobs"] != pytest.approx(plain["logprobs"][:len(adapted["logprobs"])], abs=1e-3)
+        expected = _trainer_logprobs(peft_model, prompt, adapted["ids"], 1.0)
+        assert adapted["logprobs"] == pytest.approx(expected, abs=2e-3)
+    finally:
+        for name in ("probe", "probe@1"):
+            await engine.remove_adapter(name)
+    assert "probe" not in engine.served_models()
+    with pytest.raises(ModelNotServedError, match="probe"):
+        await _run(engine, GenerationRequest(_prompt(engine, "x"), SamplingParams(max_tokens=1), model="probe"))
+
+
+async def test_a_seed_reproduces_sampling_and_n_samples_differ(engine: Engine) -> None:
+    prompt = _prompt(engine, "Tell me a word.")
+    request = GenerationRequest(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=7), n=3)
+    a, b = await _run(engine, request), await _run(engine, request)
+    assert [a[i]["ids"] for i in range(3)] == [b[i]["ids"] for i in range(3)]
+    assert len({tuple(a[i]["ids"]) for i in range(3)}) > 1
+
+
+async def test_a_stop_string_cuts_the_text(engine: Engine) -> None:
+    prompt = _prompt(engine, "Count from 1 to 10, separated by commas.")
+    plain = (await _run(engine, GenerationRequest(prompt, SamplingParams(max_tokens=20, temperature=0))))[0]
+    assert "," in plain["text"], plain["text"]
+    stopped = (await _run(engine, GenerationRequest(prompt, SamplingParams(max_tokens=20, temperature=0,
+                                                                            stop=(",",)))))[0]
+    assert stopped["finish"] == "stop"
+    assert stopped["text"] == plain["text"].split(",")[0]
+    assert engine.tokenizer.decode(stopped["ids"], skip_special_tokens=True).startswith(stopped["text"] + ",")
+
+
+async def test_a_grammar_holds_and_the_logprobs_say_what_was_drawn_from(engine: Engine, reference_model: Any) -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    grammar = json_grammar({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    prompt = _prompt(engine, "What is 2 + 2?")
+    outs = await _run(engine, GenerationRequest(
+        prompt, SamplingParams(max_tokens=30, temperature=1.0, seed=0, grammar=grammar), n=4))
+    for out in outs.values():
+        assert out["finish"] == "stop"
+        assert isinstance(json.loads(out["text"])["answer"], int)
+        assert len(out["logprobs"]) == len(out["ids"]) and all(lp <= 0 for lp in out["logprobs"])
+        models_own = _trainer_logprobs(reference_model, prompt, out["ids"], 1.0)
+        assert models_own[0] < -5  # the grammar forces "{" although the model would rather talk
+        if type(engine).__name__ == "TorchEngine":  # the policy's own logprobs, before the grammar's mask
+            assert out["logprobs"] == pytest.approx(models_own, abs=2e-3)
+        else:  # vLLM masks before it takes logprobs: within what the grammar allowed
+            assert all(lp >= own - 2e-3 for lp, own in zip(out["logprobs"], models_own))
+            assert out["logprobs"][0] > models_own[0] + 5
+
+
+def test_an_adapter_the_engine_cannot_serve_is_refused_by_name(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="embed_tokens"):
+        engine.check_lora(LoraConfig(target_modules=["q_proj", "embed_tokens"]))
+    engine.check_lora(LoraConfig())
+    if type(engine).__name__ == "VLLMEngine":
+        with pytest.raises(ValueError, match="--max-lora-rank 32"):
+            engine.check_lora(LoraConfig(rank=24))
+
+
+def test_auto_picks_the_torch_engine_without_a_gpu() -> None:
+    assert choose_engine("auto") == ("torch", "auto: no CUDA GPU")
+    assert choose_engine("vllm") == ("vllm", "asked for")
+
+
+def test_unknown_engine_settings_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="'tensorrt'"):
+        LocalBackend(engine="tensorrt")
+    for args, expected in ((["--engine", "tensorrt"], "use auto, torch or vllm"),
+                           (["--engine", "vllm", "--vllm-engine-args", "[1]"], "JSON object"),
+                           (["--engine", "vllm", "--vllm-engine-args", "{enforce"], "not JSON")):
+        result = subprocess.run([sys.executable, "-m", "art_backend", "serve", *args],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode != 0 and expected in result.stderr, result.stderr
+
+
+@pytest.mark.vllm
+def test_vllm_engine_arguments_are_checked_before_vllm_starts(tiny_model_dir: Path) -> None:
+    pytest.importorskip("vllm")
+    from art_backend.engine.vllm_engine import VLLMEngine
+
+    with pytest.raises(ValueError, match="enforce_eagerly"):
+        VLLMEngine(tiny_model_dir, engine_args={"enforce_eagerly": True})
+    with pytest.raises(ValueError, match="max_lora_rank=24"):
+        VLLMEngine(tiny_model_dir, max_lora_rank=24)
+
+
+def test_asking_for_vllm_without_it_says_how_to_install_it(tiny_model_dir: Path) -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("vLLM is installed in this venv")
+    with pytest.raises(RuntimeError, match=r"art-backend\[vllm\]"):
+        build_engine(BackendSettings(model=str(tiny_model_dir), engine="vllm"))
