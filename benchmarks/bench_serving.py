@@ -52,11 +52,17 @@ def chat_messages(count: int) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": f"Write a short story about topic {i}."}] for i in range(count)]
 
 
-async def one_request(client: AsyncOpenAI, model: str, messages: list[dict[str, str]], new_tokens: int) -> int:
+async def one_request(client: AsyncOpenAI, model: str, messages: list[dict[str, str]], new_tokens: int,
+                      return_token_ids: bool = True) -> int:
+    """Exactly `new_tokens` new tokens (EOS ignored), counted from the choice's `token_ids`, or
+    without `return_token_ids` from `usage.completion_tokens` (the plain OpenAI request)."""
     response = await client.chat.completions.create(
         model=model, messages=messages, temperature=1.0, max_tokens=new_tokens,  # type: ignore[arg-type]
-        extra_body={"ignore_eos": True, "return_token_ids": True})
-    counts = [len((choice.model_extra or {}).get("token_ids") or []) for choice in response.choices]
+        extra_body={"ignore_eos": True, **({"return_token_ids": True} if return_token_ids else {})})
+    if return_token_ids:
+        counts = [len((choice.model_extra or {}).get("token_ids") or []) for choice in response.choices]
+    else:
+        counts = [response.usage.completion_tokens if response.usage else 0]
     if counts != [new_tokens]:
         raise RuntimeError(f"expected {new_tokens} generated tokens, got {counts}")
     return counts[0]
@@ -67,8 +73,8 @@ async def served_model(client: AsyncOpenAI) -> str:
 
 
 async def concurrent_round(client: AsyncOpenAI, model: str, prompts: list[list[dict[str, str]]],
-                           new_tokens: int) -> None:
-    await asyncio.gather(*(one_request(client, model, p, new_tokens) for p in prompts))
+                           new_tokens: int, return_token_ids: bool = True) -> None:
+    await asyncio.gather(*(one_request(client, model, p, new_tokens, return_token_ids) for p in prompts))
 
 
 def render_prompts(tokenizer: PreTrainedTokenizerBase, count: int) -> list[str]:
@@ -130,23 +136,32 @@ def bench_side_by_side(model: str | None, model_dir: Path, levels: list[int], ne
     return rows
 
 
+def median_row(rates: dict[str, list[float]], ratios: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """`<name>_tok_s`: the median of each name's rates; per ratio (numerator, denominator): the
+    median of the repeats' ratios, each repeat's rates having been taken side by side."""
+    return {**{f"{name}_tok_s": statistics.median(values) for name, values in rates.items()},
+            **{ratio: statistics.median(a / b for a, b in zip(rates[over], rates[under]))
+               for ratio, (over, under) in ratios.items()}, "repeats": rates}
+
+
 def build_row(dtype: str, n: int, rates: dict[str, list[float]]) -> dict[str, Any]:
-    paired = list(zip(rates["backend"], rates["per_request"], rates["padded"]))
-    return {"dtype": dtype, "concurrency": n,
-            **{f"{name}_tok_s": statistics.median(values) for name, values in rates.items()},
-            "over_per_request": statistics.median(b / p for b, p, _ in paired),
-            "over_padded": statistics.median(b / p for b, _, p in paired), "repeats": rates}
+    return {"dtype": dtype, "concurrency": n, **median_row(
+        rates, {"over_per_request": ("backend", "per_request"), "over_padded": ("backend", "padded")})}
+
+
+def print_aligned(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    print("\n" + " | ".join(header))
+    for cells in rows:
+        print(" | ".join(c.rjust(len(h)) for c, h in zip(cells, header)))
 
 
 def print_table(rows: list[dict[str, Any]], new_tokens: int, repeats: int) -> None:
     header = ("dtype", "concurrency", "backend tok/s", "generate per-request tok/s", "generate padded-batch tok/s",
               "backend / per-request", "backend / padded")
-    print("\n" + " | ".join(header))
-    for row in rows:
-        cells = (row["dtype"], f"{row['concurrency']}", f"{row['backend_tok_s']:.1f}",
-                 f"{row['per_request_tok_s']:.1f}", f"{row['padded_tok_s']:.1f}",
-                 f"{row['over_per_request']:.2f}x", f"{row['over_padded']:.2f}x")
-        print(" | ".join(c.rjust(len(h)) for c, h in zip(cells, header)))
+    print_aligned(header, [
+        (row["dtype"], f"{row['concurrency']}", f"{row['backend_tok_s']:.1f}", f"{row['per_request_tok_s']:.1f}",
+         f"{row['padded_tok_s']:.1f}", f"{row['over_per_request']:.2f}x", f"{row['over_padded']:.2f}x")
+        for row in rows])
     print(f"Medians of {repeats} repeat(s) (ratios: medians of each repeat's ratio); {new_tokens} new tokens per "
           "request; aggregate generated tokens/s. Each row's baselines run transformers in the backend's dtype.")
     print("Per-request: one request timed per repeat; N sequential requests give "
@@ -162,13 +177,19 @@ def check_targets(row: dict[str, Any]) -> dict[str, bool]:
     return checks
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def serving_parser(description: str) -> argparse.ArgumentParser:
+    """The options every serving benchmark takes."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--concurrency", default="1,8,16", help="comma-separated request counts")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return parser
+
+
+def main() -> None:
+    parser = serving_parser(__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32",
                         help="comma-separated serving precisions: float32 (the default, exact), bfloat16; "
                              "transformers runs in the same dtype for that row's baselines")
