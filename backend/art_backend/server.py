@@ -115,6 +115,8 @@ class ChatService:
             top_p=1.0 if body.top_p is None else body.top_p,
             seed=body.seed,
             stop=body.stop_strings,
+            # the token records of `return_token_ids` keep logprobs too (the trainer's importance ratio)
+            logprobs=bool(body.logprobs or body.return_token_ids),
             top_logprobs=body.top_logprobs or 0,
             ignore_eos=body.ignore_eos,
             grammar=grammar,

@@ -24,6 +24,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logprobs: bool = True  # the sampled tokens' logprobs are wanted (False: an engine may leave them out)
     top_logprobs: int = 0  # alternatives returned per token besides the sampled one
     ignore_eos: bool = False  # keep going past end-of-turn tokens (benchmarks)
     grammar: str | None = None  # an llguidance grammar the output must follow (see art_backend.grammar)
@@ -52,7 +53,7 @@ class SequenceDelta:
 
     index: int
     token_ids: list[int]
-    logprobs: list[TokenLogprob]
+    logprobs: list[TokenLogprob]  # one per token, or none when they were not wanted
     text: str
     finish_reason: str | None = None  # "stop" | "length" once finished
 

@@ -284,7 +284,8 @@ class VLLMEngine:
                 seed=params.seed, stop=list(params.stop) or None, ignore_eos=params.ignore_eos,
                 # the torch engine's end-of-turn tokens (its EOS, the generation config's, <|im_end|>)
                 stop_token_ids=None if params.ignore_eos else self.stop_ids,
-                logprobs=params.top_logprobs, structured_outputs=grammar,
+                logprobs=params.top_logprobs if params.logprobs or params.top_logprobs else None,
+                structured_outputs=grammar,
                 output_kind=vllm.sampling_params.RequestOutputKind.DELTA)
         except ValueError as error:
             raise InvalidSamplingError(str(error)) from error
