@@ -53,12 +53,12 @@ def chat_messages(count: int) -> list[list[dict[str, str]]]:
 
 
 async def one_request(client: AsyncOpenAI, model: str, messages: list[dict[str, str]], new_tokens: int,
-                      return_token_ids: bool = True) -> int:
+                      return_token_ids: bool = True, logprobs: bool = False) -> int:
     """Exactly `new_tokens` new tokens (EOS ignored), counted from the choice's `token_ids`, or
     without `return_token_ids` from `usage.completion_tokens` (the plain OpenAI request)."""
     response = await client.chat.completions.create(
         model=model, messages=messages, temperature=1.0, max_tokens=new_tokens,  # type: ignore[arg-type]
-        extra_body={"ignore_eos": True, **({"return_token_ids": True} if return_token_ids else {})})
+        logprobs=logprobs, extra_body={"ignore_eos": True, **({"return_token_ids": True} if return_token_ids else {})})
     if return_token_ids:
         counts = [len((choice.model_extra or {}).get("token_ids") or []) for choice in response.choices]
     else:
@@ -73,8 +73,8 @@ async def served_model(client: AsyncOpenAI) -> str:
 
 
 async def concurrent_round(client: AsyncOpenAI, model: str, prompts: list[list[dict[str, str]]],
-                           new_tokens: int, return_token_ids: bool = True) -> None:
-    await asyncio.gather(*(one_request(client, model, p, new_tokens, return_token_ids) for p in prompts))
+                           new_tokens: int, return_token_ids: bool = True, logprobs: bool = False) -> None:
+    await asyncio.gather(*(one_request(client, model, p, new_tokens, return_token_ids, logprobs) for p in prompts))
 
 
 def render_prompts(tokenizer: PreTrainedTokenizerBase, count: int) -> list[str]:

@@ -4,7 +4,8 @@ For each concurrency N (default 1, 8, 16), N distinct short chat prompts each ge
 `--new-tokens` new tokens (EOS ignored); printed is the aggregate generated tokens/s of three
 servers, each a subprocess on a free loopback port, all sent the same plain OpenAI requests
 (`openai.AsyncOpenAI`, `extra_body={"ignore_eos": True}`, tokens counted from
-`usage.completion_tokens`) for the same model:
+`usage.completion_tokens`; with `--rollout` they also ask for `logprobs` and `return_token_ids`, as
+a training rollout does, and the choices' `token_ids` are counted) for the same model:
   ours-vllm    `python -m art_backend serve --engine vllm`;
   bare-vllm    vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`) with
                exactly the engine arguments our vLLM engine starts vLLM with (`vllm_engine_args`,
@@ -24,7 +25,7 @@ bare-vllm mirrors.
 Run from the repository root, in the vLLM venv (`make setup-vllm`):
     make bench-vllm-serving ARGS="..."
     .venv-vllm/bin/python benchmarks/bench_vllm_serving.py [--concurrency 1,8,16] [--new-tokens 128] \
-        [--repeats 3] [--model DIR] [--json out.json] [--startup-timeout 600]
+        [--repeats 3] [--model DIR] [--json out.json] [--startup-timeout 600] [--rollout]
 """
 
 from __future__ import annotations
@@ -172,8 +173,10 @@ def start_servers(model_dir: Path, stack: contextlib.ExitStack) -> dict[str, Ser
     return servers
 
 
-def bench(servers: dict[str, Server], levels: list[int], new_tokens: int, repeats: int) -> list[dict[str, Any]]:
-    """Per concurrency and repeat: one round on each server, one after the other."""
+def bench(servers: dict[str, Server], levels: list[int], new_tokens: int, repeats: int,
+          rollout: bool) -> list[dict[str, Any]]:
+    """Per concurrency and repeat: one round on each server, one after the other. `rollout`: the
+    requests ask for logprobs and token ids, as a training rollout's do."""
     rows = []
     with asyncio.Runner() as runner:
         clients = {name: AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0,
@@ -181,7 +184,7 @@ def bench(servers: dict[str, Server], levels: list[int], new_tokens: int, repeat
         model = {name: runner.run(served_model(client)) for name, client in clients.items()}
 
         def one_round(name: str, messages: list[list[dict[str, str]]], tokens: int) -> float:
-            seconds = timed(runner.run, concurrent_round(clients[name], model[name], messages, tokens, False))
+            seconds = timed(runner.run, concurrent_round(clients[name], model[name], messages, tokens, rollout, rollout))
             servers[name].wait_idle()
             return seconds
 
@@ -222,10 +225,13 @@ def print_table(rows: list[dict[str, Any]], new_tokens: int, repeats: int) -> No
 def main() -> None:
     parser = serving_parser(__doc__.splitlines()[0])
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds each server may take to start")
+    parser.add_argument("--rollout", action="store_true",
+                        help="send rollout requests (logprobs and return_token_ids) instead of plain ones")
     args = parser.parse_args()
     levels = [int(n) for n in args.concurrency.split(",")]
     model_dir = resolve_model_dir(args.model, BackendSettings().cache_dir)
-    print(f"Model {model_dir}; concurrency {levels}; {args.new_tokens} new tokens; {args.repeats} repeat(s); "
+    print(f"Model {model_dir}; {'rollout' if args.rollout else 'plain'} requests; concurrency {levels}; "
+          f"{args.new_tokens} new tokens; {args.repeats} repeat(s); "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (other load skews these timings)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the servers are stopped on the way out
     started = time.perf_counter()
@@ -236,7 +242,7 @@ def main() -> None:
         available = psutil.virtual_memory().available
         print(f"All three up in {time.perf_counter() - started:.0f} s; {available / 2**30:.1f} GiB memory left",
               flush=True)
-        rows = bench(servers, levels, args.new_tokens, args.repeats)
+        rows = bench(servers, levels, args.new_tokens, args.repeats, args.rollout)
     print_table(rows, args.new_tokens, args.repeats)
     passed = {row["concurrency"]: row["ours_vllm_over_bare_vllm"] >= FRONT_COST_TARGET for row in rows}
     each = ", ".join(f"{row['concurrency']} concurrent {row['ours_vllm_over_bare_vllm']:.2f}x "
@@ -245,7 +251,7 @@ def main() -> None:
           f"{FRONT_COST_TARGET:.2f}) {'at every' if all(passed.values()) else 'NOT at every'} concurrency: {each}; "
           f"took {time.perf_counter() - started:.0f} s; load average now {os.getloadavg()[0]:.2f}.")
     if args.json is not None:
-        args.json.write_text(json.dumps({"model": str(model_dir), "new_tokens": args.new_tokens,
+        args.json.write_text(json.dumps({"model": str(model_dir), "rollout": args.rollout, "new_tokens": args.new_tokens,
                                          "repeats": args.repeats, "rows": rows,
                                          "targets": {f"ours-vllm >= {FRONT_COST_TARGET:.2f}x bare-vllm at {n}": ok
                                                      for n, ok in passed.items()}}, indent=2))
