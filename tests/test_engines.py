@@ -5,6 +5,7 @@ backend picks and configures an engine."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -185,3 +186,19 @@ def test_asking_for_vllm_without_it_says_how_to_install_it(tiny_model_dir: Path)
         pytest.skip("vLLM is installed in this venv")
     with pytest.raises(RuntimeError, match=r"art-backend\[vllm\]"):
         build_engine(BackendSettings(model=str(tiny_model_dir), engine="vllm"))
+
+
+@pytest.mark.vllm
+async def test_closing_a_generation_aborts_its_vllm_request(embedded_vllm_engine: Engine) -> None:
+    engine: Any = embedded_vllm_engine
+    stream = engine.generate(GenerationRequest(_prompt(engine, "Tell me a long story."), SamplingParams(
+        max_tokens=2000, temperature=1.0, ignore_eos=True), n=2))
+    first = await anext(stream)
+    assert first.token_ids
+    assert engine._llm.get_num_unfinished_requests() > 0
+    await stream.aclose()
+    for _ in range(200):
+        if engine._llm.get_num_unfinished_requests() == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert engine._llm.get_num_unfinished_requests() == 0

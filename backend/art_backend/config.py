@@ -57,7 +57,8 @@ class BackendSettings(BaseSettings):
     # ----- the vLLM engine (vLLM's own names) -------------------------------------------
     gpu_memory_utilization: float | None = Field(
         default=None, gt=0, le=1, description="vLLM: the fraction of GPU memory it may take (weights and KV cache). "
-        "Default: vLLM's (0.9 on a GPU); on CPU the KV cache is sized by kv_cache_memory_bytes instead.")
+        "Default: what is free once the trainer's copy of the weights is on the GPU, less 5 points, at most 0.9; "
+        "on CPU the KV cache is sized by kv_cache_memory_bytes instead.")
     kv_cache_memory_bytes: int | None = Field(
         default=None, gt=0, description="vLLM: bytes of KV cache. Default on CPU 1 GiB (vLLM would reserve 92% of "
         "the machine's memory); on a GPU sized from gpu_memory_utilization.")

@@ -152,6 +152,13 @@ class VLLMEngine:
         self._training = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="art-vllm-trainer")
         self._train_lock: asyncio.Lock | None = None  # made on the engine's loop
 
+        if self.on_gpu:
+            # The trainer's copy of the weights stays on the GPU beside vLLM's (vLLM sleeps during a
+            # step, but wakes to its whole share): it is loaded first, and vLLM gets what is left.
+            self._training.submit(self._ensure_trainer).result()
+            if gpu_memory_utilization is None:
+                free, total = torch.cuda.mem_get_info()
+                args["gpu_memory_utilization"] = round(min(0.9, free / total - 0.05), 2)
         extra = dict(engine_args or {})
         unknown = sorted(set(extra) - set(AsyncEngineArgs.__dataclass_fields__))
         if unknown:
@@ -168,9 +175,10 @@ class VLLMEngine:
         except BaseException:
             self._stop_loop()
             raise
-        logger.info("vLLM %s serving %s in %.1f s on %s (%s, context %d, LoRA up to rank %d, %d per batch)",
+        logger.info("vLLM %s serving %s in %.1f s on %s (%s, context %d, LoRA up to rank %d, %d per batch%s)",
                     vllm.__version__, self.model_dir, time.perf_counter() - started, "GPU" if self.on_gpu else "CPU",
-                    args["dtype"], self.max_model_len, max_lora_rank, max_loras)
+                    args["dtype"], self.max_model_len, max_lora_rank, max_loras,
+                    f", {args['gpu_memory_utilization']:.0%} of GPU memory" if self.on_gpu else "")
 
     async def _start(self, async_llm: Any) -> Any:
         self._train_lock = asyncio.Lock()
@@ -312,11 +320,19 @@ class VLLMEngine:
     async def train_step(self, model_name: str, sequences: list[TrainSequence], config: TrainConfig,
                          lora: LoraConfig, resume_from: Path | None, save_to: Path) -> dict[str, float]:
         def step() -> dict[str, float]:
-            if self._trainer is None:
-                self._trainer = LoraTrainer(*load_trainable_model(self.model_dir, self.max_model_len))
-            return self._trainer.step(model_name, sequences, config, lora, resume_from, save_to)
+            try:
+                return self._ensure_trainer().step(model_name, sequences, config, lora, resume_from, save_to)
+            finally:
+                if self.on_gpu:
+                    torch.cuda.empty_cache()  # the step's activations go back before vLLM wakes
 
         return await self._on_engine_loop(self._paused(step))
+
+    def _ensure_trainer(self) -> LoraTrainer:
+        """The trainer, on its own copy of the base weights (loaded at the first step on CPU)."""
+        if self._trainer is None:
+            self._trainer = LoraTrainer(*load_trainable_model(self.model_dir, self.max_model_len))
+        return self._trainer
 
     async def _paused(self, step: Callable[[], dict[str, float]]) -> dict[str, float]:
         """Run `step` on the trainer thread while vLLM schedules nothing: requests in flight
