@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from art_integrations import (
+    Backend,
     LocalBackend,
+    RemoteBackend,
     TrainableModel,
     TrainConfig,
     Trajectory,
@@ -95,10 +97,26 @@ def common_arguments(example: Example, description: str | None) -> argparse.Argu
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="the local backend's base model: a Hugging Face model dir "
                         "(default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--art-dir", default=".art", help="where trained models live")
+    parser.add_argument("--engine", default=None, choices=["auto", "torch", "vllm"],
+                        help="the local backend's engine (default: ART_BACKEND_ENGINE, else auto)")
+    parser.add_argument("--backend-url", default=None, help="use a running `art-backend serve` at this URL (its "
+                        "own --model and --engine) instead of starting one here")
+    parser.add_argument("--backend-api-key", default=None, help="the running backend's --api-key")
+    parser.add_argument("--art-dir", default=".art", help="where trained models live (with --backend-url: the "
+                        "backend's --art-dir, where the learning curve is drawn)")
     parser.add_argument("--held-out", type=int, default=example.held_out, help="held-out scenarios scored")
     parser.add_argument("--max-tokens", type=int, default=example.max_tokens, help="per model call")
     return parser
+
+
+def open_backend(args: argparse.Namespace) -> Backend:
+    """The backend to train and score on: a running one at --backend-url, or one started here."""
+    if args.backend_url is None:
+        return LocalBackend(model=args.model, engine=args.engine, art_dir=args.art_dir)
+    if args.model is not None or args.engine is not None:
+        raise SystemExit("--model and --engine configure a backend started here; with --backend-url the running "
+                         "backend serves its own (`art-backend serve --model ... --engine ...`).")
+    return RemoteBackend(args.backend_url, api_key=args.backend_api_key)
 
 
 async def score_scenarios(example: Example, policy: Policy, scenarios: Sequence[Scenario]) -> list[Trajectory]:
@@ -153,7 +171,7 @@ def plot_history(history: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(figure)
 
 
-def ruler_after_each(backend: LocalBackend, args: argparse.Namespace) -> Callable[[TrajectoryGroup], Awaitable[Any]]:
+def ruler_after_each(backend: Backend, args: argparse.Namespace) -> Callable[[TrajectoryGroup], Awaitable[Any]]:
     """Score each group with RULER: the judge is --judge-model at --judge-base-url, or the base
     model on the local backend (a 135M judge demonstrates the loop; use a strong one for real)."""
     from art_integrations.rewards import Judge, ruler
@@ -182,7 +200,7 @@ async def train(example: Example, args: argparse.Namespace) -> None:
     started = time.perf_counter()
     held_out = example.scenarios("val", args.held_out, 0)
     scenarios = example.scenarios("train", args.steps * args.scenarios_per_step, args.seed)
-    async with LocalBackend(model=args.model, art_dir=args.art_dir) as backend:
+    async with open_backend(args) as backend:
         model = TrainableModel(name=args.name or f"{example.model_prefix}-s{args.seed}", project=example.project)
         await model.register(backend)
         base = await held_out_score(example, model, 0, held_out, args.max_tokens, "base model")
@@ -202,6 +220,7 @@ async def train(example: Example, args: argparse.Namespace) -> None:
         final_step = await model.get_step()
         trained = await held_out_score(example, model, final_step, held_out, args.max_tokens, "trained policy")
         directory = Path(args.art_dir) / model.project / "models" / model.name
+        directory.mkdir(parents=True, exist_ok=True)  # a backend elsewhere keeps its checkpoints there
         plot_history(await model.history(), directory / "learning_curve.png", example.title)
     print(f"\nheld-out score: base {base:.3f} -> trained {trained:.3f} ({trained - base:+.3f}) "
           f"in {(time.perf_counter() - started) / 60:.1f} min")
@@ -249,7 +268,7 @@ async def evaluate(example: Example, args: argparse.Namespace) -> None:
                            trainable=False) for name in args.models or []]
         await print_scores(example, policies, args.held_out)
         return
-    async with LocalBackend(model=args.model, art_dir=args.art_dir) as backend:
+    async with open_backend(args) as backend:
         model = TrainableModel(name=args.trained or f"{example.model_prefix}-s0", project=example.project)
         await model.register(backend)
         names = args.models or [model.base_model, model.get_inference_name(await model.get_step())]

@@ -6,11 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from art_backend.engine.torch_engine import TorchEngine
+from art_backend.server import create_app
+from art_backend.training.service import TrainingService
 from examples.city_facts.task import Scenario, score
-from tests.conftest import run_example
+from tests.conftest import ServerThread, run_example
 
 
-def test_city_facts_main_job_runs_a_step_and_resumes(tmp_path: Path) -> None:
+def test_city_facts_main_job_runs_a_step_and_resumes(tmp_path: Path, tiny_engine: TorchEngine) -> None:
     args = ["--model", "tiny-random-smollm2", "--steps", "1", "--scenarios-per-step", "1", "--rollouts", "4",
             "--held-out", "2", "--art-dir", str(tmp_path)]
     out = run_example("examples.city_facts.train", *args)
@@ -28,6 +31,11 @@ def test_city_facts_main_job_runs_a_step_and_resumes(tmp_path: Path) -> None:
     table = run_example("examples.city_facts.evaluate", "--model", "tiny-random-smollm2", "--art-dir", str(tmp_path),
                         "--held-out", "2", "--models", "tiny-random-smollm2", "city-agent-s0")
     assert "held-out score" in table and "city-agent-s0" in table
+
+    # the same job against a backend running elsewhere (`art-backend serve`, on any engine)
+    with ServerThread(create_app(tiny_engine, training=TrainingService(tiny_engine, tmp_path))) as running:
+        remote = run_example("examples.city_facts.evaluate", "--backend-url", running.base_url, "--held-out", "2")
+    assert "tiny-random-smollm2" in remote and "city-agent-s0@" in remote
 
 
 def test_city_facts_reward_credits_the_fact_in_plain_words_only() -> None:
