@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -202,3 +203,12 @@ async def test_closing_a_generation_aborts_its_vllm_request(embedded_vllm_engine
             break
         await asyncio.sleep(0.05)
     assert engine._llm.get_num_unfinished_requests() == 0
+
+
+def test_a_setting_the_chosen_engine_does_not_read_is_warned_about(tiny_model_dir: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="art_backend.app"):
+        engine = build_engine(BackendSettings(model=str(tiny_model_dir), engine="torch", max_loras=2))
+    asyncio.run(engine.close())
+    assert "Engine: torch (asked for)" in caplog.text
+    assert "without effect: max_loras (ART_BACKEND_MAX_LORAS)" in caplog.text

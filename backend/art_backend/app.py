@@ -29,10 +29,20 @@ def choose_engine(requested: str) -> tuple[str, str]:
     return "vllm", "auto: CUDA GPU and vLLM"
 
 
+# settings that one engine reads and the other does not
+_TORCH_ONLY = {"threads", "cpu_kernels"}
+_VLLM_ONLY = {"gpu_memory_utilization", "kv_cache_memory_bytes", "max_loras", "max_cpu_loras", "max_lora_rank",
+              "tensor_parallel_size", "vllm_engine_args"}
+
+
 def build_engine(settings: BackendSettings) -> Engine:
     model_dir = resolve_model_dir(settings.model, settings.cache_dir)
     engine, reason = choose_engine(settings.engine)
     logger.info("Engine: %s (%s)", engine, reason)
+    unused = sorted(settings.model_fields_set & (_TORCH_ONLY if engine == "vllm" else _VLLM_ONLY))
+    if unused:
+        logger.warning("Not read by the %s engine, so without effect: %s (ART_BACKEND_%s)", engine,
+                       ", ".join(unused), ", ART_BACKEND_".join(name.upper() for name in unused))
     if engine == "vllm":
         from art_backend.engine.vllm_engine import VLLMEngine
 
