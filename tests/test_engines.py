@@ -21,6 +21,7 @@ from art_backend.app import build_engine, choose_engine
 from art_backend.chat_format import ChatFormatter, encode_prompt
 from art_backend.config import BackendSettings
 from art_backend.engine.base import Engine, GenerationRequest, ModelNotServedError, SamplingParams
+from art_backend.engine.sampling import Penalties, RowSampling, truncate
 from art_backend.grammar import json_grammar
 from art_integrations import LocalBackend
 from art_integrations.training import LoraConfig
@@ -212,3 +213,45 @@ def test_a_setting_the_chosen_engine_does_not_read_is_warned_about(tiny_model_di
     asyncio.run(engine.close())
     assert "Engine: torch (asked for)" in caplog.text
     assert "without effect: max_loras (ART_BACKEND_MAX_LORAS)" in caplog.text
+
+
+def _oracle_logprobs(model: Any, prompt: list[int], completion: list[int], params: SamplingParams) -> list[float]:
+    """What `sampling.py` defines a drawn token's logprob to be (penalties and bias, temperature,
+    min-p, top-k and top-p), from transformers' float32 logits."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].float()
+    row = RowSampling(params.temperature, params.top_p, 0, None, params.top_k, params.min_p)
+    penalties = Penalties.for_prompt(prompt, params.frequency_penalty, params.presence_penalty,
+                                     params.repetition_penalty, params.logit_bias)
+    assert penalties is not None
+    out = []
+    for position, token in enumerate(completion):
+        penalties.apply(logits[position])
+        scaled = truncate(logits[position:position + 1] / params.temperature, [row])
+        out.append(float(torch.log_softmax(scaled, dim=-1)[0, token]))
+        penalties.record(token)
+    return out
+
+
+async def test_penalties_bias_and_cuts_shape_the_draw_and_the_logprobs(engine: Engine, reference_model: Any) -> None:
+    prompt = _prompt(engine, "Count from 1 to 20, separated by commas.")
+    comma = engine.tokenizer.convert_tokens_to_ids(",")
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, top_k=20, min_p=0.02, frequency_penalty=0.5,
+                            presence_penalty=0.3, repetition_penalty=1.2, logit_bias={comma: -3.0}, seed=5)
+    outs = await _run(engine, GenerationRequest(prompt, params, n=2))
+    for out in outs.values():
+        expected = _oracle_logprobs(reference_model, prompt, out["ids"], params)
+        assert all(lp > -1e9 for lp in expected), "a token outside the cut was drawn"
+        assert out["logprobs"] == pytest.approx(expected, abs=2e-3)
+
+
+async def test_a_large_logit_bias_forces_a_token_and_penalties_change_greedy_text(engine: Engine) -> None:
+    prompt = _prompt(engine, "Count from 1 to 20, separated by commas.")
+    paris = engine.tokenizer.encode("Paris", add_special_tokens=False)[0]
+    biased = (await _run(engine, GenerationRequest(prompt, SamplingParams(
+        max_tokens=3, temperature=0, logit_bias={paris: 100.0}))))[0]
+    assert biased["ids"][0] == paris
+    plain = (await _run(engine, GenerationRequest(prompt, SamplingParams(max_tokens=24, temperature=0))))[0]
+    penalized = (await _run(engine, GenerationRequest(prompt, SamplingParams(
+        max_tokens=24, temperature=0, frequency_penalty=2.0))))[0]
+    assert penalized["ids"] != plain["ids"]

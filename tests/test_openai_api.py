@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -275,3 +276,44 @@ def test_serving_off_loopback_requires_an_api_key() -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert "--api-key" in result.stderr
+
+
+def test_output_changing_fields_the_server_lacks_are_refused_by_name(tiny_server: ServerThread,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    url = f"{tiny_server.base_url}/v1/chat/completions"
+    base = {"model": "tiny-random-smollm2", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    refused = httpx.post(url, json={**base, "use_beam_search": True, "min_tokens": 5, "best_of": 1})
+    assert refused.status_code == 400
+    assert "min_tokens, use_beam_search" in refused.json()["error"]["message"]
+    # at the values that say what the server does anyway, and OpenAI's fields without effect: accepted
+    same = {"use_beam_search": False, "skip_special_tokens": True, "user": "u-1", "metadata": {"a": "b"}, "store": False}
+    with caplog.at_level(logging.WARNING, logger="art_backend.server"):
+        assert httpx.post(url, json={**base, **same}).status_code == 200
+        assert "Ignoring" not in caplog.text
+        assert httpx.post(url, json={**base, "frobnicate": 1}).status_code == 200
+    assert "Ignoring request fields this server does not know: frobnicate" in caplog.text
+
+
+@pytest.mark.parametrize(("logit_bias", "status", "says"), [
+    ({"99999999": 1.0}, 400, "outside the vocabulary"),
+    ({"comma": 1.0}, 422, "logit_bias.comma"),
+    ({"11": 101.0}, 422, "logit_bias.11"),
+])
+def test_a_bad_logit_bias_is_refused_naming_the_entry(tiny_server: ServerThread, logit_bias: dict, status: int,
+                                                      says: str) -> None:
+    response = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json={
+        "model": "tiny-random-smollm2", "messages": [{"role": "user", "content": "x"}], "logit_bias": logit_bias})
+    assert response.status_code == status and says in response.json()["error"]["message"]
+
+
+def test_the_sampling_settings_users_send_reach_the_engine(tiny_server: ServerThread) -> None:
+    client = openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused")
+    messages = [{"role": "user", "content": "Say something."}]
+    plain = client.chat.completions.create(model="tiny-random-smollm2", messages=messages, max_tokens=12,
+                                           temperature=0, logprobs=True, extra_body=TOKEN_IDS)
+    token = plain.choices[0].model_extra["token_ids"][0]
+    banned = client.chat.completions.create(
+        model="tiny-random-smollm2", messages=messages, max_tokens=12, temperature=0, logprobs=True,
+        frequency_penalty=1.5, presence_penalty=1.0, logit_bias={str(token): -100},
+        extra_body={**TOKEN_IDS, "repetition_penalty": 1.3, "top_k": 5, "min_p": 0.05})
+    assert banned.choices[0].model_extra["token_ids"][0] != token

@@ -1,16 +1,37 @@
-"""OpenAI chat-completions request and response shapes, plus vLLM's token-id extensions.
+"""OpenAI chat-completions request and response shapes, plus vLLM's extensions.
 
-Requests are validated here so a malformed body gets a 422 naming the field; unknown
-fields are ignored, as the OpenAI and vLLM servers do.
+Requests are validated here so a malformed body gets a 422 naming the field. A field of
+OpenAI's or vLLM's request that would change the output and that this server does not
+implement is refused by name (400), unless it carries the value that matches what the server
+does; any other unknown field is accepted and named in a warning, as vLLM does.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# OpenAI's and vLLM's request fields that change the output and are not implemented here, each
+# with the values that say to do what this server does anyway.
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "functions": (None, []), "function_call": (None,), "audio": (None,), "modalities": (None, ["text"]),
+    "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
+    "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1.0), "min_tokens": (None, 0),
+    "stop_token_ids": (None, []), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "echo": (None, False),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "add_special_tokens": (None, False), "documents": (None,), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "structural_tag": (None,), "structured_outputs": (None,),
+    "logits_processors": (None,), "return_tokens_as_token_ids": (None, False), "vllm_xargs": (None,),
+}
+# OpenAI's request fields that do not change the output: accepted without a word
+NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                       "prediction"})
 
 
 class _Lenient(BaseModel):
@@ -79,7 +100,9 @@ class ResponseFormat(_Lenient):
         return self
 
 
-class ChatCompletionRequest(_Lenient):
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # kept, to be refused or named (see NOT_IMPLEMENTED)
+
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
@@ -88,6 +111,9 @@ class ChatCompletionRequest(_Lenient):
     n: int = Field(default=1, ge=1, le=128)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # token id -> added logit
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
@@ -98,6 +124,9 @@ class ChatCompletionRequest(_Lenient):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     # vLLM extensions
+    top_k: int | None = Field(default=None, ge=-1)  # 0 or -1: no cut
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
     return_token_ids: bool = False
     ignore_eos: bool = False
 
@@ -106,6 +135,15 @@ class ChatCompletionRequest(_Lenient):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
         return self
+
+    def not_implemented(self) -> list[str]:
+        """The extra fields that would change the output in a way this server does not implement."""
+        return sorted(name for name, value in (self.model_extra or {}).items()
+                      if name in NOT_IMPLEMENTED and value not in NOT_IMPLEMENTED[name])
+
+    def unknown(self) -> list[str]:
+        """The extra fields this server knows nothing of."""
+        return sorted(name for name in self.model_extra or {} if name not in NOT_IMPLEMENTED and name not in NO_EFFECT)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

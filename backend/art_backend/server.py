@@ -98,6 +98,17 @@ class ChatService:
     def prepare(self, body: ChatCompletionRequest) -> _Prepared:
         if body.model not in self.engine.served_models():  # before streaming starts, so it can be a 404
             raise ModelNotServedError.unknown(body.model, self.engine.served_models())
+        refused = body.not_implemented()
+        if refused:
+            raise UnsupportedFeatureError(f"Not supported by this server: {', '.join(refused)}. Leave them out "
+                                          "(or at their defaults); they would change the output.")
+        if body.unknown():
+            logger.warning("Ignoring request fields this server does not know: %s", ", ".join(body.unknown()))
+        vocabulary = len(self.engine.tokenizer)
+        beyond = sorted(token for token in body.logit_bias or {} if not 0 <= token < vocabulary)
+        if beyond:
+            raise UnsupportedFeatureError(f"logit_bias names token ids outside the vocabulary (0..{vocabulary - 1}): "
+                                          f"{', '.join(map(str, beyond))}.")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         tool_choice = body.tool_choice_value()
@@ -113,6 +124,12 @@ class ChatService:
             max_tokens=limit or room,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(body.top_k or 0, 0),
+            min_p=body.min_p or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=body.logit_bias or {},
             seed=body.seed,
             stop=body.stop_strings,
             # the token records of `return_token_ids` keep logprobs too (the trainer's importance ratio)

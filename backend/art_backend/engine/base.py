@@ -7,7 +7,7 @@ the engines sample and report logprobs the same way, and both train with the sam
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -19,9 +19,17 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How to draw a reply (see `art_backend.engine.sampling` for the order the engines apply them in)."""
+
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: bool = True  # the sampled tokens' logprobs are wanted (False: an engine may leave them out)

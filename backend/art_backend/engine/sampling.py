@@ -1,18 +1,30 @@
-"""Choosing the next token of every row in a decode batch, with the policy's own logprobs.
+"""Choosing the next token of every row in a decode batch, with the logprob of what it was drawn from.
 
-The logprob reported for a token is log softmax(logits / temperature) at that token: the
-model's distribution at the sampling temperature, before top-p truncation and before any
-grammar mask, which is what the trainer recomputes for the importance ratio. Temperature 0
-means greedy, with temperature-1 logprobs.
+Per row, in vLLM's order, so both engines sample and report alike:
+    1. bias and penalties on the logits (`Penalties.apply`): logit bias (added), repetition
+       (vLLM's: the logit of a token already in the prompt or the output is divided by the
+       penalty if positive, else multiplied), frequency and presence (OpenAI's: minus the penalty
+       times the token's count in the output so far, and minus the presence penalty once it occurs)
+    2. divided by the temperature (0: greedy, taken at temperature 1)
+    3. truncated, sampled rows only: min-p (tokens below min_p times the top probability),
+       top-k, then top-p (the smallest set of the most likely tokens holding `top_p` of the mass)
+The reported logprob is log softmax of that: the distribution the token was drawn from,
+which the trainer's importance ratio compares its own policy with. A grammar's mask is not in
+it: a row under a grammar reports the model's own distribution after steps 1 and 2 (so a token
+the grammar forces shows what the policy thought of it, and the policy learns the format).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
+
+LOWEST_LOGPROB = -9999.0  # what OpenAI and vLLM's server report for a token that could not be drawn
 
 
 @dataclass(frozen=True)
@@ -21,6 +33,51 @@ class RowSampling:
     top_p: float
     top_logprobs: int
     generator: torch.Generator | None
+    top_k: int = 0  # 0: no top-k cut
+    min_p: float = 0.0
+
+    @property
+    def truncates(self) -> bool:
+        return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0)
+
+
+@dataclass
+class Penalties:
+    """One sequence's penalties and logit bias, and what it has seen so far."""
+
+    frequency: float = 0.0
+    presence: float = 0.0
+    repetition: float = 1.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    seen: set[int] = field(default_factory=set)  # prompt and output tokens (the repetition penalty's)
+    output_counts: Counter[int] = field(default_factory=Counter)
+
+    @classmethod
+    def for_prompt(cls, prompt: list[int], frequency: float, presence: float, repetition: float,
+                   logit_bias: Mapping[int, float]) -> Penalties | None:
+        """None when nothing would change the logits."""
+        if not (frequency or presence or repetition != 1.0 or logit_bias):
+            return None
+        return cls(frequency, presence, repetition, logit_bias, set(prompt) if repetition != 1.0 else set())
+
+    def record(self, token: int) -> None:
+        self.output_counts[token] += 1
+        if self.repetition != 1.0:
+            self.seen.add(token)
+
+    def apply(self, logits: Tensor) -> None:
+        """Bias and penalize one row of logits in place."""
+        if self.logit_bias:
+            ids = torch.tensor(list(self.logit_bias), device=logits.device)
+            logits[ids] += torch.tensor(list(self.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        if self.repetition != 1.0 and self.seen:
+            ids = torch.tensor(sorted(self.seen), device=logits.device)
+            values = logits[ids]
+            logits[ids] = torch.where(values > 0, values / self.repetition, values * self.repetition)
+        if (self.frequency or self.presence) and self.output_counts:
+            ids = torch.tensor(list(self.output_counts), device=logits.device)
+            counts = torch.tensor(list(self.output_counts.values()), dtype=logits.dtype, device=logits.device)
+            logits[ids] -= self.frequency * counts + self.presence
 
 
 @dataclass(frozen=True)
@@ -30,16 +87,24 @@ class Sampled:
     top: list[list[tuple[int, float]]]  # per row: (token id, logprob), best first
 
 
-def _keep_top_p(probs: Tensor, top_p: Tensor) -> Tensor:
-    """Zero the tail of each row outside its smallest set of tokens with mass >= top_p."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    outside = sorted_probs.cumsum(dim=-1) - sorted_probs > top_p[:, None]
-    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-
-
-def _take_rows(block: Tensor, rows: list[int]) -> Tensor:
-    return block if len(rows) == block.shape[0] else block[rows]
+def truncate(scaled: Tensor, rows: list[RowSampling]) -> Tensor:
+    """`scaled` [rows, vocab] (logits over temperature) with what min-p, top-k and top-p cut at
+    -inf, each row by its own settings (vLLM's rule at equal probabilities: ties at the cut stay)."""
+    device = scaled.device
+    min_p = torch.tensor([r.min_p for r in rows], device=device)
+    if bool((min_p > 0).any()):
+        probs = scaled.softmax(dim=-1)
+        scaled = scaled.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    ascending, order = scaled.sort(dim=-1)
+    vocab = scaled.shape[-1]
+    top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], device=device)
+    kth = ascending.gather(1, (vocab - top_k)[:, None])
+    ascending = ascending.masked_fill(ascending < kth, float("-inf"))
+    top_p = torch.tensor([r.top_p for r in rows], device=device)
+    tail = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p[:, None]  # all but the top_p of the mass
+    tail[:, -1] = False
+    ascending = ascending.masked_fill(tail, float("-inf"))
+    return torch.empty_like(scaled).scatter_(-1, order, ascending)
 
 
 def _uniforms(rows: list[RowSampling], device: torch.device) -> Tensor:
@@ -55,44 +120,53 @@ def _uniforms(rows: list[RowSampling], device: torch.device) -> Tensor:
     return uniform
 
 
-def sample(logits: Tensor, rows: list[RowSampling], allowed_logits: Tensor | None = None,
+def _take_rows(block: Tensor, rows: list[int]) -> Tensor:
+    return block if len(rows) == block.shape[0] else block[rows]
+
+
+def sample(logits: Tensor, rows: list[RowSampling], allowed: Tensor | None = None,
            kernels: Any | None = None) -> Sampled:
-    """`logits` [B, vocab] (float32) -> one token per row. `allowed_logits`: the same logits with
-    tokens a grammar forbids set to -inf; tokens are then drawn from those. `kernels`: the fused
-    CPU ops (`cpu_kernels.py`), used when no row needs top-p, top logprobs or a grammar."""
+    """`logits` [B, vocab] (float32, penalties applied) -> one token per row. `allowed`: [B, vocab]
+    bool, what each row's grammar allows (all True for rows without one). `kernels`: the fused CPU
+    ops (`cpu_kernels.py`), used when no row truncates, wants top logprobs or has a grammar."""
     device = logits.device
     temperature = torch.tensor([float(r.temperature) for r in rows], device=device)
     uniform = _uniforms(rows, device)
-    if kernels is not None and allowed_logits is None and all(r.top_p >= 1.0 and not r.top_logprobs for r in rows):
+    truncated_rows = [i for i, r in enumerate(rows) if r.truncates]
+    if kernels is not None and allowed is None and not truncated_rows and not any(r.top_logprobs for r in rows):
         tokens, chosen = kernels.sample_tokens(logits, temperature, uniform)
         return Sampled(tokens.tolist(), chosen.tolist(), [[] for _ in rows])
 
-    scale = torch.where(temperature == 0, 1.0, temperature)[:, None]
-    logprobs = torch.log_softmax(logits / scale, dim=-1)
-    drawn_from = logprobs if allowed_logits is None else torch.log_softmax(allowed_logits / scale, dim=-1)
+    scaled = logits / torch.where(temperature == 0, 1.0, temperature)[:, None]
+    drawn = scaled if allowed is None else scaled.masked_fill(~allowed, float("-inf"))
+    if truncated_rows:
+        drawn = drawn.clone() if drawn is scaled else drawn
+        drawn[truncated_rows] = truncate(drawn[truncated_rows], [rows[i] for i in truncated_rows])
+    drawn_logprobs = torch.log_softmax(drawn, dim=-1)
+    reported = drawn_logprobs
+    if allowed is not None:
+        constrained = ~allowed.all(dim=-1)
+        if bool(constrained.any()):
+            reported = torch.where(constrained[:, None], torch.log_softmax(scaled, dim=-1), drawn_logprobs)
+
     tokens = torch.empty(len(rows), dtype=torch.long, device=device)
     # each pass below reads the whole [B, vocab] block: skip those no row needs
     greedy_rows = [i for i, r in enumerate(rows) if r.temperature == 0]
     if greedy_rows:
-        tokens[greedy_rows] = _take_rows(drawn_from, greedy_rows).argmax(dim=-1)
-
+        tokens[greedy_rows] = _take_rows(drawn_logprobs, greedy_rows).argmax(dim=-1)
     sampled_rows = [i for i, r in enumerate(rows) if r.temperature > 0]
     if sampled_rows:
-        probs = _take_rows(drawn_from, sampled_rows).exp()
-        top_p = torch.tensor([rows[i].top_p for i in sampled_rows], device=device)
-        if bool((top_p < 1.0).any()):
-            probs = _keep_top_p(probs, top_p)
         # inverse-CDF sampling: one batched searchsorted instead of a multinomial call per row
-        cdf = probs.cumsum(dim=-1)
+        cdf = _take_rows(drawn_logprobs, sampled_rows).exp().cumsum(dim=-1)
         picked = torch.searchsorted(cdf, (uniform[sampled_rows] * cdf[:, -1])[:, None], right=True)[:, 0]
-        tokens[sampled_rows] = picked.clamp_(max=probs.shape[-1] - 1)
+        tokens[sampled_rows] = picked.clamp_(max=cdf.shape[-1] - 1)
 
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    chosen = reported.gather(1, tokens[:, None])[:, 0].clamp(min=LOWEST_LOGPROB)
     top: list[list[tuple[int, float]]] = [[] for _ in rows]
     k = max(r.top_logprobs for r in rows)
     if k:
-        values, ids = logprobs.topk(k, dim=-1)
-        values, ids = values.tolist(), ids.tolist()
+        values, ids = reported.topk(k, dim=-1)
+        values, ids = values.clamp(min=LOWEST_LOGPROB).tolist(), ids.tolist()
         for i, r in enumerate(rows):
             top[i] = list(zip(ids[i][: r.top_logprobs], values[i][: r.top_logprobs]))
     return Sampled(tokens.tolist(), chosen.tolist(), top)

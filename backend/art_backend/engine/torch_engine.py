@@ -37,7 +37,7 @@ from art_backend.engine.base import (
     end_of_turn_ids,
 )
 from art_backend.engine.llama import LORA_TARGETS, LeanLlama, LoraWeights
-from art_backend.engine.sampling import RowSampling, sample
+from art_backend.engine.sampling import Penalties, RowSampling, sample
 from art_backend.grammar import Constrainer
 from art_backend.training.tokenize import TrainSequence
 from art_backend.training.trainer import LoraTrainer
@@ -73,6 +73,7 @@ class _Sequence:
     completion: list[int]
     rows: RowSampling
     matcher: llguidance.LLMatcher | None = None  # the grammar the output must follow
+    penalties: Penalties | None = None
     pending: list[TokenLogprob] = field(default_factory=list)  # not yet sent
     text: str = ""
     sent_text: int = 0
@@ -406,9 +407,12 @@ class TorchEngine:
                 generator = None
                 if params.seed is not None:
                     generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
-                rows = RowSampling(params.temperature, params.top_p, params.top_logprobs, generator)
+                rows = RowSampling(params.temperature, params.top_p, params.top_logprobs, generator, params.top_k,
+                                   params.min_p)
                 matcher = self.constrainer.matcher(params.grammar) if params.grammar is not None else None
-                self._active.append(_Sequence(request, index, list(prompt), [], rows, matcher))
+                penalties = Penalties.for_prompt(prompt, params.frequency_penalty, params.presence_penalty,
+                                                 params.repetition_penalty, params.logit_bias)
+                self._active.append(_Sequence(request, index, list(prompt), [], rows, matcher, penalties))
         row_of_request = [row for row, (request, _) in enumerate(batch) for _ in range(request.spec.n)]
         self._accept(self._active[first_slot:], logits[row_of_request])
 
@@ -459,11 +463,17 @@ class TorchEngine:
 
     def _accept(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
         """Sample one token for each of `seqs`, update their text, send deltas, retire the finished."""
-        sampled = sample(logits, [s.rows for s in seqs], self._allowed_logits(seqs, logits), self.lean.kernels)
+        for row, seq in enumerate(seqs):
+            if seq.penalties is not None:
+                seq.penalties.apply(logits[row])
+        sampled = sample(logits, [s.rows for s in seqs], self._allowed_tokens(seqs, logits.shape[-1]),
+                         self.lean.kernels)
         by_request: dict[int, list[SequenceDelta]] = {}
         for seq, token, logprob, top in zip(seqs, sampled.token_ids, sampled.logprobs, sampled.top):
             if seq.matcher is not None and not seq.matcher.is_stopped() and not seq.matcher.consume_token(token):
                 raise RuntimeError(f"grammar rejected token {token}: {seq.matcher.get_error()}")
+            if seq.penalties is not None:
+                seq.penalties.record(token)
             seq.ids.append(token)
             seq.completion.append(token)
             seq.pending.append(TokenLogprob(token, logprob, top))
@@ -481,12 +491,12 @@ class TorchEngine:
                 self._send(seq.request, deltas)
         self._retire()
 
-    def _allowed_logits(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor | None:
-        """`logits` with what each row's grammar forbids at -inf; None when no row has one."""
+    def _allowed_tokens(self, seqs: list[_Sequence], vocab: int) -> torch.Tensor | None:
+        """[rows, vocab] bool: what each row's grammar allows (rows without one: everything); None
+        when no row has a grammar."""
         constrained = [(row, s.matcher) for row, s in enumerate(seqs) if s.matcher is not None]
         if not constrained:
             return None
-        vocab = logits.shape[-1]
         bitmask = llguidance.torch.allocate_token_bitmask(len(seqs), self.constrainer.tokenizer.vocab_size)
         for row, matcher in constrained:
             if matcher.is_stopped():  # the structure is complete: only the end of the turn is left
@@ -496,10 +506,10 @@ class TorchEngine:
                 llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
         # unpack 32 tokens per int32 word (unconstrained rows stay all ones)
         bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
-        allowed = bits.reshape(len(seqs), -1)[:, :vocab].bool().to(logits.device)
+        allowed = bits.reshape(len(seqs), -1)[:, :vocab].bool().to(self.device)
         if allowed.shape[-1] < vocab:  # padded model vocabularies: the extra ids are never valid
             allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[-1]))
-        return logits.masked_fill(~allowed, float("-inf"))
+        return allowed
 
     def _update_text(self, seq: _Sequence, token: int) -> None:
         params = seq.request.spec.params

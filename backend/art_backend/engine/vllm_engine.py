@@ -4,10 +4,10 @@ LoRA adapters, tensor parallelism; CUDA graphs on a GPU), trained by our GRPO st
 What reaches vLLM is what reaches the torch engine: prompt token ids rendered by our chat
 formatter (so the ids we return are exactly those the model saw), the same llguidance grammars
 for forced tool calls and JSON (vLLM's structured outputs, guidance backend), and the same stop
-tokens. Logprobs are vLLM's `processed_logprobs`: log softmax of the logits divided by the
-sampling temperature (greedy: temperature 1), as the torch engine reports them, except that
-vLLM takes them after its top-p cut and grammar mask, so a token drawn under `top_p < 1` or a
-grammar gets its logprob within what was allowed.
+tokens. Penalties, logit bias and the top-k, min-p and top-p cuts are vLLM's own, which the
+torch engine follows (`sampling.py`), and logprobs are vLLM's `processed_logprobs`: of the
+distribution each token was drawn from, as the torch engine reports them, except that vLLM
+takes them after a grammar's mask, so a token a grammar forces gets logprob 0.
 
 Every checkpoint is a `LoRARequest` read from its directory. A training step pauses
 scheduling (requests in flight freeze, new ones queue; on a GPU vLLM also sleeps, level 1, so
@@ -44,6 +44,7 @@ from art_backend.engine.base import (
     TokenLogprob,
     end_of_turn_ids,
 )
+from art_backend.engine.sampling import LOWEST_LOGPROB
 from art_backend.grammar import Constrainer
 from art_backend.training.tokenize import TrainSequence
 from art_backend.training.trainer import LoraTrainer, load_trainable_model
@@ -57,7 +58,6 @@ _MAX_CONTEXT = 8192  # the default context limit, as the torch engine's
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM can reserve room for
 # what vLLM serves LoRA on in Llama/Qwen models (it fuses q/k/v and gate/up itself)
 _LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_LOWEST_LOGPROB = -9999.0  # what OpenAI and vLLM's server report for a token that could not be drawn
 _CPU_KV_CACHE_BYTES = 1 << 30  # on CPU, vLLM would otherwise reserve 92% of the machine's memory
 
 
@@ -291,6 +291,9 @@ class VLLMEngine:
         try:
             return vllm.SamplingParams(
                 n=request.n, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                top_k=params.top_k, min_p=params.min_p, frequency_penalty=params.frequency_penalty,
+                presence_penalty=params.presence_penalty, repetition_penalty=params.repetition_penalty,
+                logit_bias=dict(params.logit_bias) or None,
                 seed=params.seed, stop=list(params.stop) or None, ignore_eos=params.ignore_eos,
                 # the torch engine's end-of-turn tokens (its EOS, the generation config's, <|im_end|>)
                 stop_token_ids=None if params.ignore_eos else self.stop_ids,
@@ -314,8 +317,8 @@ class VLLMEngine:
     def _token_logprob(token: int, position: Mapping[int, Any], top_logprobs: int) -> TokenLogprob:
         top = sorted(((t, lp) for t, lp in position.items() if lp.rank is not None and lp.rank <= top_logprobs),
                      key=lambda item: item[1].rank)
-        return TokenLogprob(token, max(position[token].logprob, _LOWEST_LOGPROB),
-                            [(t, max(lp.logprob, _LOWEST_LOGPROB)) for t, lp in top])
+        return TokenLogprob(token, max(position[token].logprob, LOWEST_LOGPROB),
+                            [(t, max(lp.logprob, LOWEST_LOGPROB)) for t, lp in top])
 
     # ----- training ---------------------------------------------------------------------
 
