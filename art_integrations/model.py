@@ -31,11 +31,14 @@ class TrainableModel(BaseModel):
     _backend: Backend | None = PrivateAttr(default=None)
     _reporter: WandbReporter | None = PrivateAttr(default=None)
 
-    async def register(self, backend: Backend) -> None:
-        """Attach to `backend`; a model trained before resumes from its newest checkpoint."""
+    async def register(self, backend: Backend, *, fall_back: bool = False) -> None:
+        """Attach to `backend`; a model trained before resumes from its newest checkpoint. If that
+        checkpoint does not load (damaged on disk), registering fails and says what is wrong;
+        `fall_back=True` then moves the damaged steps aside (kept on disk) and resumes from the
+        newest step that loads."""
         answer = await backend.request("POST", "/v1/training/models", {
             "project": self.project, "name": self.name, "base_model": self.base_model,
-            "lora": self.lora.model_dump()})
+            "lora": self.lora.model_dump(), "fall_back": fall_back})
         self.base_model = answer["base_model"]
         self._backend = backend
         self._reporter = self._reporter or reporter_for(self)

@@ -146,6 +146,23 @@ def random_adapter(model_dir: Path, path: Path, target_modules: list[str], *, se
     return peft_model
 
 
+async def scored_group(model: Any, scenario: str, rewards: list[float]) -> Any:
+    """A group of short real rollouts of `model` (a registered `TrainableModel`), one per reward."""
+    from art_integrations import Trajectory, TrajectoryGroup
+
+    client = model.openai_client()
+    trajectories = []
+    for i, reward in enumerate(rewards):
+        messages = [{"role": "user", "content": f"{scenario} {i}"}]
+        response = await client.chat.completions.create(
+            model=model.inference_name, messages=messages, max_tokens=6, logprobs=True, seed=i,
+            extra_body={"return_token_ids": True})
+        trajectory = Trajectory(messages_and_choices=messages, reward=reward, metrics={"length": i})
+        trajectory.add_response(response)
+        trajectories.append(trajectory)
+    return TrajectoryGroup(trajectories=trajectories)
+
+
 REPO = Path(__file__).resolve().parent.parent
 
 

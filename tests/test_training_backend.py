@@ -11,23 +11,9 @@ import pytest
 import torch
 
 from art_integrations import BackendError, GatheredGroups, LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
-from tests.conftest import ENGINES
+from tests.conftest import ENGINES, scored_group
 
 TINY = "tiny-random-smollm2"
-
-
-async def _group(model: TrainableModel, scenario: str, rewards: list[float]) -> TrajectoryGroup:
-    client = model.openai_client()
-    trajectories = []
-    for i, reward in enumerate(rewards):
-        messages = [{"role": "user", "content": f"{scenario} {i}"}]
-        response = await client.chat.completions.create(
-            model=model.inference_name, messages=messages, max_tokens=6, logprobs=True, seed=i,
-            extra_body={"return_token_ids": True})
-        trajectory = Trajectory(messages_and_choices=messages, reward=reward, metrics={"length": i})
-        trajectory.add_response(response)
-        trajectories.append(trajectory)
-    return TrajectoryGroup(trajectories=trajectories)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -40,7 +26,7 @@ async def test_train_writes_a_checkpoint_serves_it_and_resumes_after_restart(tmp
         model = TrainableModel(name="agent", project="demo")
         await model.register(backend)
         assert await model.get_step() == 0
-        groups = [await _group(model, "a", [0.0, 1.0, 0.5]), await _group(model, "b", [1.0, 1.0, 1.0])]
+        groups = [await scored_group(model, "a", [0.0, 1.0, 0.5]), await scored_group(model, "b", [1.0, 1.0, 1.0])]
 
         # inference keeps working while the step trains
         client = model.openai_client()
@@ -85,7 +71,7 @@ async def test_train_writes_a_checkpoint_serves_it_and_resumes_after_restart(tmp
         model = TrainableModel(name="agent", project="demo")
         await model.register(restarted)
         assert await model.get_step() == 1
-        gathered = GatheredGroups([await _group(model, "c", [0.0, 1.0])])
+        gathered = GatheredGroups([await scored_group(model, "c", [0.0, 1.0])])
         gathered.dropped = [{"group": 1, "metadata": {}, "reason": "judge failed: no score for t2", "trajectories": 2}]
         result = await model.train(gathered, TrainConfig(learning_rate=1e-3))
         assert result.step == 2

@@ -110,9 +110,10 @@ class Engine(Protocol):
         """Stream deltas for all samples of `request`; closing the iterator aborts them."""
         ...
 
-    async def load_adapter(self, name: str, path: Path | None) -> None:
+    async def load_adapter(self, name: str, path: Path | None, preload: bool = True) -> None:
         """Serve the peft LoRA adapter saved at `path` under `name` (replacing a same-named one);
-        `path=None` serves the base model under `name`."""
+        `path=None` serves the base model under `name`. `preload=False`: read it on first use (a
+        run's older checkpoints, which may be many and are seldom asked for)."""
         ...
 
     async def remove_adapter(self, name: str) -> None: ...

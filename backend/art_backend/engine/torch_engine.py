@@ -39,6 +39,7 @@ from art_backend.engine.base import (
 from art_backend.engine.llama import LORA_TARGETS, LeanLlama, LoraWeights
 from art_backend.engine.sampling import Penalties, RowSampling, sample
 from art_backend.grammar import Constrainer
+from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.tokenize import TrainSequence
 from art_backend.training.trainer import LoraTrainer
 from art_integrations.training import LoraConfig, TrainConfig
@@ -82,6 +83,13 @@ class _Sequence:
     finish_reason: str | None = None
 
 
+@dataclass(frozen=True)
+class _Unread:
+    """An adapter served by name but read from `path` only when first asked for."""
+
+    path: Path
+
+
 @dataclass
 class _PrefixEntry:
     adapter: LoraWeights | None
@@ -108,7 +116,8 @@ class TorchEngine:
         self.max_batch_size = max_batch_size
         self.constrainer = Constrainer(self.tokenizer)
         self.peak_batch_size = 0  # most sequences decoded in one step so far
-        self._adapters: dict[str, LoraWeights | None] = {}  # None: the base model under another name
+        # None: the base model under another name; _Unread: an adapter not read yet
+        self._adapters: dict[str, LoraWeights | _Unread | None] = {}
         self._trainer: LoraTrainer | None = None
         self._active: list[_Sequence] = []
         self._waiting: deque[_Request] = deque()
@@ -157,20 +166,35 @@ class TorchEngine:
     def served_models(self) -> list[str]:
         return [self.base_model_name, *self._adapters]
 
-    async def load_adapter(self, name: str, path: Path | None) -> None:
+    async def load_adapter(self, name: str, path: Path | None, preload: bool = True) -> None:
         """Serve the adapter at `path` (None: the base model) as `name`. The adapter loaded last
         also gets merged weights where they are faster (see `LeanLlama.merge`): the rollouts of a
-        training run, which all use the newest checkpoint, then decode as fast as the base model."""
+        training run, which all use the newest checkpoint, then decode as fast as the base model.
+        `preload=False`: read at the first request for `name`, and never merged."""
         def load() -> None:
-            self._set_adapter(name, None if path is None else self._adapter_at(Path(path).resolve()))
+            if path is None:
+                self._set_adapter(name, None)
+            elif preload:
+                self._set_adapter(name, self._adapter_at(Path(path).resolve()))
+            else:
+                self._adapters[name] = _Unread(Path(path).resolve())
 
         await self._on_worker(load)
+
+    def _read_on_first_use(self, name: str) -> LoraWeights:
+        entry = self._adapters[name]
+        if isinstance(entry, _Unread):
+            served = (w for w in list(self._adapters.values()) if isinstance(w, LoraWeights) and w.source == entry.path)
+            self._adapters[name] = next(served, None) or self._read_adapter(entry.path)
+        weights = self._adapters[name]
+        assert isinstance(weights, LoraWeights)
+        return weights
 
     def _adapter_at(self, path: Path) -> LoraWeights:
         """The adapter already served from `path` (a checkpoint served under two names is one
         adapter: its rows batch and share cached prefixes), else the one read from there; with
         merged weights unless the serving layout rules them out."""
-        served = (w for w in list(self._adapters.values()) if w is not None and w.source == path)
+        served = (w for w in list(self._adapters.values()) if isinstance(w, LoraWeights) and w.source == path)
         weights = next(served, None) or self._read_adapter(path)
         if self._merge_adapters and weights.merged is None:
             weights.merged = self.lean.merge(weights)
@@ -179,7 +203,7 @@ class TorchEngine:
     def _set_adapter(self, name: str, weights: LoraWeights | None) -> None:
         if weights is not None and weights.merged is not None:
             for other in self._adapters.values():
-                if other is not None and other is not weights:
+                if isinstance(other, LoraWeights) and other is not weights:
                     other.merged = None  # one merged copy at a time: it is as large as the weights
         self._adapters[name] = weights
 
@@ -223,6 +247,8 @@ class TorchEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[SequenceDelta]:
         adapter = self.resolve_adapter(request.model)
+        if isinstance(adapter, _Unread):
+            adapter = await self._on_worker(lambda: self._read_on_first_use(request.model))
         total = len(request.prompt_ids)
         if request.params.grammar is not None:
             self.constrainer.check(request.params.grammar)
@@ -244,8 +270,8 @@ class TorchEngine:
         finally:
             state.aborted = remaining > 0
 
-    def resolve_adapter(self, model: str | None) -> LoraWeights | None:
-        """The adapter a request for `model` runs with (None: the base model)."""
+    def resolve_adapter(self, model: str | None) -> LoraWeights | _Unread | None:
+        """The adapter a request for `model` runs with (None: the base model; `_Unread`: not read yet)."""
         if model is None or model == self.base_model_name:
             return None
         if model in self._adapters:
@@ -255,10 +281,14 @@ class TorchEngine:
     # ----- adapters ---------------------------------------------------------------------
 
     def _read_adapter(self, path: Path) -> LoraWeights:
-        config = json.loads((path / "adapter_config.json").read_text())
-        rank, alpha = config["r"], config["lora_alpha"]
+        try:
+            config = json.loads((path / "adapter_config.json").read_text())
+            rank, alpha = config["r"], config["lora_alpha"]
+            tensors = load_file(str(path / "adapter_model.safetensors"), device=str(self.device))
+        except Exception as error:  # noqa: BLE001 - every way the files fail to load is damage
+            raise DamagedCheckpointError(f"The adapter at {path} does not load: {type(error).__name__}: {error}") \
+                from error
         scale = alpha / rank**0.5 if config.get("use_rslora") else alpha / rank
-        tensors = load_file(str(path / "adapter_model.safetensors"), device=str(self.device))
         a: dict[tuple[int, str], torch.Tensor] = {}
         b: dict[tuple[int, str], torch.Tensor] = {}
         dtype = self.lean.dtype

@@ -206,10 +206,11 @@ class VLLMEngine:
             raise ValueError(f"LoRA on {', '.join(unknown)} is not served by the vLLM engine; target modules: "
                              f"{', '.join(_LORA_TARGETS)}.")
 
-    async def load_adapter(self, name: str, path: Path | None) -> None:
+    async def load_adapter(self, name: str, path: Path | None, preload: bool = True) -> None:
         """Serve the adapter at `path` (None: the base model) as `name`. One checkpoint served under
-        two names is one vLLM adapter (one id: its requests batch and share cached prefixes); it is
-        loaded now, so a damaged checkpoint fails here rather than at its first request."""
+        two names is one vLLM adapter (one id: its requests batch and share cached prefixes). It is
+        loaded now, so a damaged checkpoint fails here rather than at its first request; with
+        `preload=False` vLLM reads it when first asked for."""
         if path is None:
             await self._replace(name, None)
             return
@@ -221,7 +222,8 @@ class VLLMEngine:
                 raise ValueError(f"{path}: LoRA rank {rank} is above --max-lora-rank {self.max_lora_rank}.")
             request = self._vllm.lora.request.LoRARequest(name, self._next_lora_id, str(path))
             self._next_lora_id += 1
-            await self._on_engine_loop(self._llm.add_lora(request))
+            if preload:
+                await self._on_engine_loop(self._llm.add_lora(request))
         await self._replace(name, request)
 
     async def _replace(self, name: str, request: Any) -> None:

@@ -17,6 +17,8 @@ class RegisterBody(BaseModel):
     name: str = Field(min_length=1)
     base_model: str | None = None
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    fall_back: bool = Field(default=False, description="if the newest checkpoint does not load, move the damaged "
+                            "steps aside and continue from the newest one that does")
 
 
 class TrainBody(BaseModel):
@@ -40,7 +42,7 @@ def training_router(service: TrainingService) -> APIRouter:
 
     @router.post("/models")
     async def register(body: RegisterBody) -> dict[str, Any]:
-        return await service.register(body.project, body.name, body.base_model, body.lora)
+        return await service.register(body.project, body.name, body.base_model, body.lora, body.fall_back)
 
     @router.get("/models/{project}/{name}/step")
     async def get_step(project: str, name: str) -> dict[str, int]:

@@ -1,11 +1,8 @@
 """Trained models on disk and in serving: register, train a step, log, prune checkpoints.
 
-Layout per model (ART's): `<art_dir>/<project>/models/<name>/`
-    model.json                        name, project, base model, LoRA settings
-    checkpoints/<step:04d>/           adapter_model.safetensors, adapter_config.json, optimizer.pt
-    history.jsonl                     one line of metrics per train step and per logged split
-    trajectories/<split>/<step:04d>.jsonl   the groups trained on (or logged), one per line
-Step N is served as `<name>@<N>` and the newest as `<name>`; step 0 is the base model.
+The files and how each step is made durable are in `checkpoints.py`. Step N is served as
+`<name>@<N>` and the newest as `<name>`; step 0 is the base model. After a restart every
+committed step is served again (read from disk on first use).
 """
 
 from __future__ import annotations
@@ -14,17 +11,17 @@ import asyncio
 import json
 import logging
 import math
-import os
 import shutil
 import statistics
-import tempfile
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from art_backend.durable import write_atomically
 from art_backend.engine.base import Engine
+from art_backend.kill_points import kill_point
+from art_backend.training.checkpoints import DamagedCheckpointError, ModelFiles, checkpoint_problem
 from art_backend.training.tokenize import TokenizeStats, TrainSequence, tokenize_trajectory
 from art_integrations.training import LoraConfig, TrainConfig
 from art_integrations.trajectory import TrajectoryGroup
@@ -68,28 +65,16 @@ def reward_metrics(groups: list[TrajectoryGroup]) -> dict[str, float]:
     return out
 
 
-@dataclass
-class _Model:
-    project: str
-    name: str
-    lora: LoraConfig
-    directory: Path
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.directory / "checkpoints"
-
-
 class TrainingService:
     def __init__(self, engine: Engine, art_dir: Path) -> None:
         self.engine = engine
         self.art_dir = Path(art_dir)
-        self._models: dict[str, _Model] = {}
+        self._models: dict[str, ModelFiles] = {}
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     # ----- registry ---------------------------------------------------------------------
 
-    def model(self, project: str, name: str) -> _Model:
+    def model(self, project: str, name: str) -> ModelFiles:
         model = self._models.get(name)
         if model is None or model.project != project:
             raise UnknownModelError(
@@ -97,16 +82,15 @@ class TrainingService:
                 "call `await model.register(backend)` first.")
         return model
 
-    @staticmethod
-    def steps(model: _Model) -> list[int]:
-        if not model.checkpoints.is_dir():
-            return []
-        return sorted(int(p.name) for p in model.checkpoints.iterdir() if p.name.isdigit())
-
     def get_step(self, project: str, name: str) -> int:
-        return max(self.steps(self.model(project, name)), default=0)
+        return max(self.model(project, name).steps(), default=0)
 
-    async def register(self, project: str, name: str, base_model: str | None, lora: LoraConfig) -> dict[str, Any]:
+    async def register(self, project: str, name: str, base_model: str | None, lora: LoraConfig,
+                       fall_back: bool = False) -> dict[str, Any]:
+        """Serve a model (every step of one trained before: `<name>@<N>`, the newest as `<name>`),
+        after finishing what a crash left. A newest checkpoint that does not load is refused;
+        with `fall_back` the damaged steps are moved aside and the model continues from the
+        newest one that loads."""
         if base_model is not None and base_model != self.engine.base_model_name:
             raise TrainingRequestError(
                 f"This backend serves {self.engine.base_model_name!r}, not {base_model!r}: start the backend "
@@ -119,34 +103,84 @@ class TrainingService:
             raise TrainingRequestError(
                 f"Model name {name!r} is already registered by project {existing.project!r}: served "
                 "names must be unique on one backend.")
-        directory = self.art_dir / project / "models" / name
-        saved = directory / "model.json"
-        if saved.is_file():  # a model keeps the adapter shape it started with
-            lora = LoraConfig.model_validate(json.loads(saved.read_text())["lora"])
-        try:
-            self.engine.check_lora(lora)
-        except ValueError as error:
-            raise TrainingRequestError(str(error)) from error
-        directory.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps({"project": project, "name": name, "base_model": self.engine.base_model_name,
-                                     "lora": lora.model_dump()}, indent=2))
-        model = _Model(project, name, lora, directory)
-        self._models[name] = model
-        step = self.get_step(project, name)
-        for served in (name, f"{name}@{step}"):
-            await self.engine.load_adapter(served, self._checkpoint(model, step))
+        async with self._locks[name]:
+            model = ModelFiles(project, name, self._stored_lora(project, name) or lora,
+                               self.art_dir / project / "models" / name)
+            try:
+                self.engine.check_lora(model.lora)
+            except ValueError as error:
+                raise TrainingRequestError(str(error)) from error
+            self._save_description(model)
+            await asyncio.to_thread(model.recover)
+            step = await self._newest_loadable(model, fall_back)
+            await self._serve(model, step)
+            self._models[name] = model
         return {"step": step, "inference_name": name, "base_model": self.engine.base_model_name,
-                "directory": str(directory)}
+                "directory": str(model.directory)}
 
-    def _checkpoint(self, model: _Model, step: int) -> Path | None:
-        return None if step == 0 else model.checkpoints / f"{step:04d}"
+    def _stored_lora(self, project: str, name: str) -> LoraConfig | None:
+        """A model keeps the adapter shape it started with."""
+        saved = self.art_dir / project / "models" / name / "model.json"
+        if not saved.is_file():
+            return None
+        try:
+            return LoraConfig.model_validate(json.loads(saved.read_text())["lora"])
+        except (ValueError, KeyError, TypeError) as error:
+            raise DamagedCheckpointError(
+                f"{saved} does not load ({error!r}): it holds the model's LoRA settings. Restore it, or remove it to "
+                "register with the settings you pass (they must match the checkpoints').") from error
+
+    def _save_description(self, model: ModelFiles) -> None:
+        text = json.dumps({"project": model.project, "name": model.name, "base_model": self.engine.base_model_name,
+                           "lora": model.lora.model_dump()}, indent=2)
+        path = model.directory / "model.json"
+        if not path.is_file() or path.read_text() != text:  # written whole or not at all, never in place
+            write_atomically(path, text)
+
+    async def _newest_loadable(self, model: ModelFiles, fall_back: bool) -> int:
+        steps = model.steps()
+        moved: list[int] = []
+        loadable = 0
+        for step in reversed(steps):
+            checkpoint = model.checkpoint(step)
+            assert checkpoint is not None
+            problem = await asyncio.to_thread(checkpoint_problem, checkpoint)
+            if problem is None:
+                loadable = step
+                break
+            if not fall_back:
+                older = [s for s in steps if s < step]
+                raise DamagedCheckpointError(
+                    f"Step {step} of {model.project}/{model.name} does not load, so training cannot continue from "
+                    f"it: {problem}. Nothing was changed. Restore the file, or register with fall_back=True to "
+                    f"move the damaged steps aside (kept under {model.checkpoints}/.damaged-*) and continue from "
+                    f"the newest step that loads{f' (of {older})' if older else ' (the base model)'}.")
+            aside = model.move_aside(step)
+            moved.append(step)
+            logger.warning("%s/%s: step %d does not load (%s); moved aside to %s, as asked (fall_back)",
+                           model.project, model.name, step, problem, aside)
+        if moved:  # the history says so too: the records of those steps no longer have checkpoints
+            await asyncio.to_thread(model.record, {"step": loadable, "split": "fall_back", "time": time.time(),
+                                                   "moved_aside": sorted(moved)}, "fall_back", [])
+        return loadable
+
+    async def _serve(self, model: ModelFiles, newest: int) -> None:
+        """Every step as `<name>@<N>` (read on first use), the newest as `<name>` (read now)."""
+        await self.engine.load_adapter(f"{model.name}@0", None)
+        for step in model.steps():
+            if step != newest:
+                await self.engine.load_adapter(f"{model.name}@{step}", model.checkpoint(step), preload=False)
+        for served in (f"{model.name}@{newest}", model.name):
+            await self.engine.load_adapter(served, model.checkpoint(newest))
 
     # ----- training ---------------------------------------------------------------------
 
     async def train(self, project: str, name: str, groups: list[TrajectoryGroup], config: TrainConfig,
                     dropped: list[str] | None = None) -> dict[str, Any]:
+        """One GRPO step, acknowledged once it is durable on disk and served."""
         model = self.model(project, name)
         async with self._locks[name]:
+            kill_point("step_started")
             started = time.perf_counter()
             step = self.get_step(project, name)
             sequences, metrics = self._prepare(groups, config)
@@ -158,27 +192,23 @@ class TrainingService:
                 metrics["note"] = ("No step taken: every group had equal rewards (no signal) or no model turns. "
                                    "Vary the scenario or the reward so rollouts of a group score differently.")
                 return {"step": step, "metrics": metrics}
-            staging = Path(tempfile.mkdtemp(prefix=".step-", dir=self._ensure(model.checkpoints)))
+            staging = model.new_staging()
             try:
-                trained = await self.engine.train_step(name, sequences, config, model.lora,
-                                                       self._checkpoint(model, step), staging)
-                final = model.checkpoints / f"{step + 1:04d}"
-                os.replace(staging, final)  # a checkpoint appears whole or not at all
+                metrics.update(await self.engine.train_step(name, sequences, config, model.lora,
+                                                            model.checkpoint(step), staging))
+                metrics.update({"trained": True, "learning_rate": config.learning_rate,
+                                "seconds": time.perf_counter() - started})
+                record = {"step": step + 1, "split": "train", "time": time.time(), **metrics}
+                await asyncio.to_thread(model.commit, staging, step + 1, record, groups)
             finally:
-                shutil.rmtree(staging, ignore_errors=True)
+                shutil.rmtree(staging, ignore_errors=True)  # gone already once committed
             step += 1
+            kill_point("step_committed")
+            await asyncio.to_thread(model.publish, step)
+            kill_point("step_published")
             for served in (f"{name}@{step}", name):
-                await self.engine.load_adapter(served, final)
-            metrics.update(trained)
-            metrics.update({"trained": True, "learning_rate": config.learning_rate,
-                            "seconds": time.perf_counter() - started})
-            self._record(model, step, "train", metrics, groups)
+                await self.engine.load_adapter(served, model.checkpoint(step))
             return {"step": step, "metrics": metrics}
-
-    @staticmethod
-    def _ensure(path: Path) -> Path:
-        path.mkdir(parents=True, exist_ok=True)
-        return path
 
     def _prepare(self, groups: list[TrajectoryGroup], config: TrainConfig) -> tuple[list[TrainSequence], dict[str, Any]]:
         stats = TokenizeStats()
@@ -209,37 +239,27 @@ class TrainingService:
         model = self.model(project, name)
         step = self.get_step(project, name)
         metrics = reward_metrics(groups)
-        self._record(model, step, split, metrics, groups)
+        record = {"step": step, "split": split, "time": time.time(), **metrics}
+        await asyncio.to_thread(model.record, record, split, groups)
         return {"step": step, "metrics": metrics}
 
-    def _record(self, model: _Model, step: int, split: str, metrics: dict[str, Any],
-                groups: list[TrajectoryGroup]) -> None:
-        with (model.directory / "history.jsonl").open("a") as history:
-            history.write(json.dumps({"step": step, "split": split, "time": time.time(), **metrics}) + "\n")
-        folder = self._ensure(model.directory / "trajectories" / split)
-        with (folder / f"{step:04d}.jsonl").open("a") as out:
-            for group in groups:
-                out.write(group.model_dump_json() + "\n")
-
     def history(self, project: str, name: str) -> list[dict[str, Any]]:
-        path = self.model(project, name).directory / "history.jsonl"
-        if not path.is_file():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return self.model(project, name).history()
 
     async def delete_checkpoints(self, project: str, name: str, best_metric: str, best_split: str) -> dict[str, Any]:
         """Delete every checkpoint but the latest and the best by `best_metric` (higher is better)
         among `best_split` records of the history."""
         model = self.model(project, name)
-        steps = self.steps(model)
-        scores = {r["step"]: r[best_metric] for r in self.history(project, name)
-                  if r.get("split") == best_split and isinstance(r.get(best_metric), (int, float))}
-        keep = {max(steps, default=0)}
-        scored = [s for s in steps if s in scores]
-        if scored:
-            keep.add(max(scored, key=lambda s: scores[s]))
-        deleted = [s for s in steps if s not in keep]
-        for step in deleted:
-            shutil.rmtree(model.checkpoints / f"{step:04d}")
-            await self.engine.remove_adapter(f"{name}@{step}")
+        async with self._locks[name]:
+            steps = model.steps()
+            scores = {r["step"]: r[best_metric] for r in model.history()
+                      if r.get("split") == best_split and isinstance(r.get(best_metric), (int, float))}
+            keep = {max(steps, default=0)}
+            scored = [s for s in steps if s in scores]
+            if scored:
+                keep.add(max(scored, key=lambda s: scores[s]))
+            deleted = [s for s in steps if s not in keep]
+            for step in deleted:
+                await self.engine.remove_adapter(f"{name}@{step}")
+                await asyncio.to_thread(model.delete, step)
         return {"deleted": deleted, "kept": sorted(keep & set(steps))}

@@ -24,6 +24,8 @@ from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from art_backend.kill_points import kill_point
+from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.loss import LossConfig, policy_loss
 from art_backend.training.tokenize import TrainSequence
 from art_integrations.training import LoraConfig, TrainConfig
@@ -107,13 +109,17 @@ class LoraTrainer:
         for p in params:
             p.requires_grad_(True)
         if key not in self.optimizers:
-            self.optimizers[key] = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
-            if resume_from is not None:
-                weights = load_file(str(resume_from / "adapter_model.safetensors"), device=str(self.device))
-                set_peft_model_state_dict(self.peft, weights, adapter_name=key)
-                optimizer_state = resume_from / "optimizer.pt"
-                if optimizer_state.is_file():
-                    self.optimizers[key].load_state_dict(torch.load(optimizer_state, map_location=self.device))
+            optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
+            if resume_from is not None:  # all of it, or the step fails: never a fresh adapter or a reset optimizer
+                try:
+                    weights = load_file(str(resume_from / "adapter_model.safetensors"), device=str(self.device))
+                    state = torch.load(resume_from / "optimizer.pt", map_location=self.device, weights_only=True)
+                    set_peft_model_state_dict(self.peft, weights, adapter_name=key)
+                    optimizer.load_state_dict(state)
+                except Exception as error:  # noqa: BLE001 - every way a checkpoint fails to load is damage
+                    raise DamagedCheckpointError(f"Cannot continue training from {resume_from}: "
+                                                 f"{type(error).__name__}: {error}") from error
+            self.optimizers[key] = optimizer
         return key, params
 
     def step(self, model_name: str, sequences: list[TrainSequence], config: TrainConfig, lora: LoraConfig,
@@ -124,6 +130,7 @@ class LoraTrainer:
         optimizer = self.optimizers[key]
         for group in optimizer.param_groups:
             group["lr"] = config.learning_rate
+        optimizer.zero_grad(set_to_none=True)  # a step that failed halfway may have left gradients
         losses = loss_config(config)
         total_weight = sum(s.weight * sum(s.assistant_mask) for s in sequences)
         sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clipped_fraction": 0.0, "entropy": 0.0}
@@ -189,4 +196,5 @@ class LoraTrainer:
         state = get_peft_model_state_dict(self.peft, adapter_name=key)
         save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(save_to / "adapter_model.safetensors"))
         self.peft.peft_config[key].save_pretrained(str(save_to))
+        kill_point("checkpoint_half_written")
         torch.save(optimizer.state_dict(), save_to / "optimizer.pt")

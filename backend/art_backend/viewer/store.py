@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from art_backend.durable import read_json_lines
 from art_integrations.trajectory import TrajectoryGroup
 
 
@@ -90,19 +91,9 @@ class ArtStore:
     def history(self, model: StoredModel) -> list[dict[str, Any]]:
         """The history records in the order written; a damaged line is skipped (the trajectories
         of its step are still shown)."""
-        path = model.directory / "history.jsonl"
-        if not path.is_file():
-            return []
-        records = []
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int) \
-                    and isinstance(record.get("split"), str):
-                records.append(record)
-        return records
+        return [record for record in read_json_lines(model.directory / "history.jsonl")
+                if isinstance(record, dict) and isinstance(record.get("step"), int)
+                and isinstance(record.get("split"), str)]
 
     def steps_by_split(self, model: StoredModel) -> dict[str, list[int]]:
         """The steps with stored trajectories, per split ("train" first, then by name)."""
