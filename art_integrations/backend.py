@@ -43,8 +43,13 @@ class Backend:
     async def request(self, method: str, path: str, json: Any = None) -> Any:
         try:
             response = await self._http.request(method, path, json=json)
-        except httpx.TransportError as error:
+        except (httpx.ConnectError, httpx.ConnectTimeout) as error:
             raise BackendError(f"Cannot reach the backend at {self.base_url}: {error!r}. Is it running?") from error
+        except httpx.TransportError as error:
+            raise BackendError(
+                f"{method} {path}: the backend at {self.base_url} took the request but the connection broke before "
+                f"an answer ({error!r}): it may have stopped or failed; its log says which. Whether the request took "
+                "effect is unknown (after a restart, `await model.get_step()` tells for a train step).") from error
         if response.is_error:
             try:
                 message = response.json()["error"]["message"]

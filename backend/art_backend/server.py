@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from art_backend.chat_format import ChatFormatError, ChatFormatter, ParsedOutput, ToolCallStreamFilter
 from art_backend.continuation import TokenContinuations
@@ -37,6 +38,7 @@ from art_backend.engine.base import (
 )
 from art_backend.grammar import GrammarError, json_grammar, tool_call_grammar
 from art_backend.training.routes import training_router
+from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.service import TrainingRequestError, TrainingService, UnknownModelError
 from art_backend.protocol import ChatCompletionRequest, TokenRecordsRequest, completion_id, error_body, now
 
@@ -295,6 +297,36 @@ class ChatService:
         return choice
 
 
+class UnexpectedErrorsAnswered:
+    """An unexpected error becomes an OpenAI-shaped 500 here, and goes no further. Starlette's
+    outermost error middleware answers too, but then re-raises, and uvicorn closes the kept-alive
+    connection under the client's next request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        answered = False
+
+        async def send_noting_start(message: Message) -> None:
+            nonlocal answered
+            answered = answered or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_start)
+        except Exception as error:
+            if answered:  # a response under way cannot turn into another: only closing is left
+                raise
+            logger.exception("Request failed")
+            response = JSONResponse(error_body(f"{type(error).__name__}: {error}", "InternalServerError", None, 500),
+                                    status_code=500)
+            await response(scope, receive, send)
+
+
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
     parts, first = [], None
     for item in error.errors():
@@ -341,6 +373,10 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
     async def on_too_long(_: Request, error: ContextLengthError) -> JSONResponse:
         return JSONResponse(error_body(str(error), "BadRequestError", "messages", 400), status_code=400)
 
+    @app.exception_handler(DamagedCheckpointError)
+    async def on_damaged(_: Request, error: DamagedCheckpointError) -> JSONResponse:
+        return JSONResponse(error_body(str(error), "ConflictError", None, 409), status_code=409)
+
     @app.exception_handler(UnknownModelError)
     async def on_unknown_trained_model(_: Request, error: UnknownModelError) -> JSONResponse:
         return JSONResponse(error_body(str(error), "NotFoundError", "name", 404), status_code=404)
@@ -358,11 +394,7 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
         return JSONResponse(error_body(str(error.detail), "HTTPError", None, error.status_code),
                             status_code=error.status_code)
 
-    @app.exception_handler(Exception)
-    async def on_unexpected(_: Request, error: Exception) -> JSONResponse:
-        logger.exception("Request failed")
-        return JSONResponse(error_body(f"{type(error).__name__}: {error}", "InternalServerError", None, 500),
-                            status_code=500)
+    app.add_middleware(UnexpectedErrorsAnswered)
 
     @app.post("/v1/art/token_records")
     async def token_records(body: TokenRecordsRequest) -> dict[str, Any]:
