@@ -71,6 +71,10 @@ async def test_train_writes_a_checkpoint_serves_it_and_resumes_after_restart(tmp
         model = TrainableModel(name="agent", project="demo")
         await model.register(restarted)
         assert await model.get_step() == 1
+        again = await model.openai_client().chat.completions.create(  # every step is served again, unchanged
+            model="agent@1", messages=[{"role": "user", "content": "x"}], max_tokens=4, temperature=0, logprobs=True)
+        assert again.choices[0].logprobs.content[0].logprob == pytest.approx(
+            tuned.choices[0].logprobs.content[0].logprob, abs=1e-4)
         gathered = GatheredGroups([await scored_group(model, "c", [0.0, 1.0])])
         gathered.dropped = [{"group": 1, "metadata": {}, "reason": "judge failed: no score for t2", "trajectories": 2}]
         result = await model.train(gathered, TrainConfig(learning_rate=1e-3))

@@ -46,6 +46,7 @@ from art_backend.engine.base import (
 )
 from art_backend.engine.sampling import LOWEST_LOGPROB
 from art_backend.grammar import Constrainer
+from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.tokenize import TrainSequence
 from art_backend.training.trainer import LoraTrainer, load_trainable_model
 from art_integrations.training import LoraConfig, TrainConfig
@@ -217,13 +218,20 @@ class VLLMEngine:
         path = Path(path).resolve()
         request = next((r for r in self._adapters.values() if r is not None and r.lora_path == str(path)), None)
         if request is None:
-            rank = json.loads((path / "adapter_config.json").read_text())["r"]
+            try:
+                rank = json.loads((path / "adapter_config.json").read_text())["r"]
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                raise DamagedCheckpointError(f"The adapter at {path} does not load: {error!r}") from error
             if rank > self.max_lora_rank:
                 raise ValueError(f"{path}: LoRA rank {rank} is above --max-lora-rank {self.max_lora_rank}.")
             request = self._vllm.lora.request.LoRARequest(name, self._next_lora_id, str(path))
             self._next_lora_id += 1
-            if preload:
+        if preload:  # vLLM keeps an adapter it has loaded already as it is
+            try:
                 await self._on_engine_loop(self._llm.add_lora(request))
+            except Exception as error:  # noqa: BLE001 - vLLM's own errors for a file it cannot read
+                raise DamagedCheckpointError(f"vLLM cannot load the adapter at {path}: {type(error).__name__}: "
+                                             f"{error}") from error
         await self._replace(name, request)
 
     async def _replace(self, name: str, request: Any) -> None:
