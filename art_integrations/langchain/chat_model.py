@@ -6,15 +6,23 @@ request asks for the reply's exact tokens and logprobs (`return_token_ids`, `log
 tokens travel in each generation's `generation_info` (ChatOpenAI drops response fields it does
 not know), and an `ARTCallbackHandler` is attached so calls inside `art_capture()` are
 recorded. With the tokens in hand a capture needs no request of its own on exit.
+
+Two defaults differ from ChatOpenAI's: the API key (`api_key=`, `openai_api_key=` or
+OPENAI_API_KEY, as ChatOpenAI reads it) falls back to a placeholder, since a local backend needs
+none; and streams report token usage (`stream_usage`), which ChatOpenAI asks for only at
+OpenAI's own URL.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from langchain_core.callbacks import BaseCallbackManager
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from langchain_core.utils import secret_from_env
 from langchain_openai import ChatOpenAI
+from pydantic import Field, SecretStr
 
 from art_integrations.backend import Backend
 from art_integrations.langchain.callback import ARTCallbackHandler
@@ -26,12 +34,18 @@ class ChatART(ChatOpenAI):
     `ChatART(base_url=".../v1", model="name")`; any `ChatOpenAI` setting (temperature,
     max_tokens, top_p, stop, seed, ...) works as usual and is sent as given."""
 
+    # ChatOpenAI's field with a placeholder where it has no key: the OpenAI client refuses to
+    # start without one, and a local backend checks none
+    openai_api_key: SecretStr | None | Callable[[], str] | Callable[[], Awaitable[str]] = Field(
+        alias="api_key", default_factory=secret_from_env("OPENAI_API_KEY", default="unused"))
+    stream_usage: bool | None = True  # the backend sends the usage chunk that `stream_options` asks for
+
     def __init__(self, **kwargs: Any) -> None:
         kwargs["extra_body"] = {**(kwargs.get("extra_body") or {}), "return_token_ids": True}
-        kwargs.setdefault("api_key", "unused")  # a local backend needs no key
         kwargs.setdefault("logprobs", True)  # the sampling policy's logprobs, which training needs
         super().__init__(**kwargs)
-        api_key = self.openai_api_key.get_secret_value() if self.openai_api_key else None
+        key = self.openai_api_key  # a callable key is the OpenAI client's to call, per request
+        api_key = key.get_secret_value() if isinstance(key, SecretStr) else None
         handler = ARTCallbackHandler(base_url=self.openai_api_base, api_key=None if api_key == "unused" else api_key)
         if isinstance(self.callbacks, BaseCallbackManager):
             self.callbacks.add_handler(handler, inherit=False)
@@ -50,6 +64,12 @@ class ChatART(ChatOpenAI):
     @property
     def _llm_type(self) -> str:
         return "art-chat"
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        # load() revives only the classes in langchain-core's allowlist (langchain_core.load.mapping),
+        # so a dump of ChatART could never be loaded: unserializable, as other integrations outside it
+        return False
 
     def _create_chat_result(self, response: Any, generation_info: dict[str, Any] | None = None) -> ChatResult:
         result = super()._create_chat_result(response, generation_info)

@@ -4,8 +4,9 @@ It is llama-index's `OpenAILike` (so agents, tools, structured prediction, strea
 and instrumentation behave exactly as users know them) with these differences: it is a chat
 and function-calling model (`OpenAILike` defaults both to False, and agents would then
 silently fall back to prompt completion without tools); its context window is the backend's;
-each request asks the backend to keep the reply's exact tokens (`return_token_ids`); and
-constructing one installs the `ARTEventHandler`, so its calls inside `art_capture()` are
+each request asks the backend to keep the reply's exact tokens (`return_token_ids`); streams
+end with the token usage (`stream_options.include_usage`, which `OpenAI` sends only when told);
+and constructing one installs the `ARTEventHandler`, so its calls inside `art_capture()` are
 recorded. Recording happens in that handler only, never here, so a call is recorded once
 however many ways the handler was installed.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+from llama_index.llms.openai.utils import resolve_openai_credentials
 from llama_index.llms.openai_like import OpenAILike
 
 from art_integrations.backend import Backend
@@ -46,16 +48,20 @@ class ARTLLM(OpenAILike):
     `ARTLLM(model="name", api_base=".../v1")`; any `OpenAILike` setting (max_tokens, top_p,
     additional_kwargs, max_retries, ...) works as usual and is sent as given.
 
-    Two defaults differ from `OpenAILike`'s, on purpose: `temperature=1.0`, because a rollout
+    Three defaults differ from `OpenAILike`'s, on purpose: `temperature=1.0`, because a rollout
     should sample the policy being trained (LlamaIndex's 0.1 would make every rollout of a
-    group alike and leave GRPO nothing to compare), and `timeout=600`, because a local backend
-    on CPU serving many concurrent rollouts answers slower than a hosted API.
+    group alike and leave GRPO nothing to compare); `timeout=600`, because a local backend
+    on CPU serving many concurrent rollouts answers slower than a hosted API; and the API key,
+    read as `OpenAI` reads it (`api_key=`, else OPENAI_API_KEY), falls back to a placeholder,
+    since a local backend needs none.
     """
 
-    def __init__(self, model: str, api_base: str, api_key: str = "unused", context_window: int | None = None,
+    def __init__(self, model: str, api_base: str, api_key: str | None = None, context_window: int | None = None,
                  temperature: float = 1.0, timeout: float = 600.0, **kwargs: Any) -> None:
         kwargs.setdefault("is_chat_model", True)
         kwargs.setdefault("is_function_calling_model", True)
+        # resolved here rather than by `OpenAI`, since the context window is read with it first
+        api_key = resolve_openai_credentials(api_key=api_key)[0] or "unused"
         if context_window is None:
             context_window = fetch_context_window(api_base, model, api_key)
         super().__init__(model=model, api_base=api_base, api_key=api_key, context_window=context_window,
@@ -84,4 +90,6 @@ class ARTLLM(OpenAILike):
         model_kwargs = super()._get_model_kwargs(**kwargs)
         model_kwargs["extra_body"] = {**(self.additional_kwargs.get("extra_body") or {}),
                                       **(kwargs.get("extra_body") or {}), "return_token_ids": True}
+        if model_kwargs.get("stream"):
+            model_kwargs.setdefault("stream_options", {"include_usage": True})
         return model_kwargs
