@@ -13,15 +13,22 @@ fetched from the backend in one request, or under `gather_trajectory_groups` onc
   conversation's last call and reply, else it starts a branch;
 - the main agent's first conversation is the trajectory's own; every other one becomes an
   additional history.
+
+No call is lost silently: a call that finishes after its capture exited, and a capture that
+recorded no call (naming the model calls an integration saw but could not record, when there
+were any), are each warned and counted in `metrics["capture_errors"]`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
+import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar, Token
@@ -52,16 +59,60 @@ class ModelCall:
     choice: Choice | None = None  # set directly when the integration saw the tokens itself
 
 
+LATE_CALL = ("a model call finished after its art_capture() had exited (a task started inside the capture and "
+             "awaited outside it?), so it is not in the trajectory: await every task the rollout starts before "
+             "leaving the `with art_capture()` block")
+NO_CALLS = ("art_capture() recorded no model call, so the trajectory is empty. Likely causes: the chat model has no "
+            "ART handler (use ChatART or ARTLLM; with your own ChatOpenAI, pass config={'callbacks': "
+            "[ARTCallbackHandler()]}; with your own LlamaIndex LLM, call art_integrations.llamaindex.instrument()); "
+            "the calls ran in a task still running when the capture exited (await it inside the capture); or they "
+            "ran in a thread that does not carry the capture's context (use asyncio.to_thread, not "
+            "run_in_executor or a bare Thread)")
+
+
 class CaptureScope:
     def __init__(self, trajectory: Trajectory) -> None:
         self.trajectory = trajectory
         self.calls: list[ModelCall] = []
         self.placeholders: list[tuple[list[Any], int, ModelCall]] = []  # replies waiting for their tokens
+        # (model, fix) -> how many calls an integration saw in this capture but could not record
+        self.unrecorded: Counter[tuple[str, str]] = Counter()
+        self._closed = False  # the capture exited: its calls are assembled, a call arriving now is late
         self._lock = threading.Lock()  # calls may arrive from executor threads
 
-    def add(self, call: ModelCall) -> None:
+    def add(self, call: ModelCall) -> bool:
+        """Keep `call`; False (and a capture error) when the capture has already exited."""
         with self._lock:
-            self.calls.append(call)
+            if not self._closed:
+                self.calls.append(call)
+                return True
+        self.error(LATE_CALL)
+        return False
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+    def note_unrecorded(self, model: str, fix: str) -> None:
+        """An integration saw a call to `model` here that it cannot record (no handler for it).
+        A judge or helper model beside the policy is normal; it becomes a capture error only if
+        the capture records nothing else (see `report_if_empty`)."""
+        logger.debug("A call to %s inside art_capture(): served, not recorded", model)
+        with self._lock:
+            self.unrecorded[(model, fix)] += 1
+
+    def report_if_empty(self) -> None:
+        """A capture that recorded no call has nothing to train on, and is almost always a setup
+        mistake: say which, naming the models seen without a handler when an integration saw any."""
+        if self.calls or any(history.choices() for history in self.trajectory.histories()):
+            return
+        with self._lock:  # a late note may still arrive from another thread
+            unrecorded = list(self.unrecorded.items())
+        for (model, fix), count in unrecorded:
+            self.error(f"art_capture() recorded no model call, but {count} call{'s' * (count > 1)} to {model} "
+                       f"ran inside it unrecorded: {fix}")
+        if not unrecorded:
+            self.error(NO_CALLS)
 
     def error(self, message: str) -> None:
         """A recording problem: kept in the trajectory's logs and counted, never dropped."""
@@ -80,13 +131,35 @@ def current_capture() -> CaptureScope | None:
 
 
 def record_call(call: ModelCall, scope: CaptureScope | None = None) -> bool:
-    """Add `call` to `scope` (default: the capture open here). False when there is none."""
+    """Add `call` to `scope` (default: the capture open here). False when there is none, or it
+    has exited (a late call: counted as a capture error)."""
     scope = scope or _current.get()
     if scope is None:
         logger.debug("Model call outside art_capture(): served, not recorded")
         return False
-    scope.add(call)
-    return True
+    return scope.add(call)
+
+
+# Where each agent framework's integration can notice the calls no handler of ours sees, keyed
+# by the framework's module: a capture sets one up only for a framework the process has loaded.
+_WATCHES = {"langchain_core": "art_integrations.langchain.callback",
+            "llama_index.core": "art_integrations.llamaindex.handler"}
+_unwatchable: set[str] = set()  # loaded without our extra's packages: nothing to set up
+
+
+def _watch_frameworks() -> None:
+    """Let each loaded framework's integration note unrecorded calls into the open capture, so
+    that a user who kept a plain ChatOpenAI or OpenAILike and never imported our integration
+    still learns which model went unrecorded. Cheap after the first capture (each `watch()`
+    is idempotent)."""
+    for framework, module in _WATCHES.items():
+        if framework in sys.modules and framework not in _unwatchable:
+            try:
+                importlib.import_module(module).watch()
+            except ImportError as error:
+                _unwatchable.add(framework)
+                logger.debug("Cannot watch %s for unrecorded calls (%r): a capture that records nothing says "
+                             "only the likely causes", framework, error)
 
 
 # ----- fetching tokens ---------------------------------------------------------------------
@@ -217,6 +290,7 @@ def assemble(scope: CaptureScope) -> None:
     """Turn the recorded calls into the trajectory's main and additional histories."""
     calls = sorted(scope.calls, key=lambda c: c.started)
     trajectory = scope.trajectory
+    trajectory.metrics["model_calls"] = len(calls)
     if not calls:
         return
     agents: dict[str, list[ModelCall]] = {}
@@ -239,7 +313,6 @@ def assemble(scope: CaptureScope) -> None:
     nodes = sorted({str(c.metadata["langgraph_node"]) for c in calls if c.metadata.get("langgraph_node")})
     if nodes:
         trajectory.metadata["langgraph_nodes"] = nodes
-    trajectory.metrics["model_calls"] = len(calls)
 
 
 # ----- the context manager -----------------------------------------------------------------
@@ -251,6 +324,8 @@ class art_capture:  # noqa: N801 - used like a function: `with art_capture() as 
     Calls from asyncio tasks created inside, and from LangChain's executor threads, are
     included; concurrent captures never mix. Nested captures are allowed: a call goes to the
     innermost one. An exception inside propagates; the partial trajectory stays available.
+    A call that finishes after the capture exited (a task not awaited inside), and a capture
+    that records nothing, are warned and counted in `metrics["capture_errors"]`.
     """
 
     def __init__(self, trajectory: Trajectory | None = None, **metadata: Any) -> None:
@@ -260,21 +335,22 @@ class art_capture:  # noqa: N801 - used like a function: `with art_capture() as 
         self._token: Token[CaptureScope | None] | None = None
 
     def __enter__(self) -> Trajectory:
+        _watch_frameworks()
         self._token = _current.set(self.scope)
         return self.trajectory
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self._close()
-        self._finish()
+        self._finish(failed=exc_type is not None)
         if self._fetch_now():
             fetch_tokens([self.scope])
 
     async def __aenter__(self) -> Trajectory:
         return self.__enter__()
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self._close()
-        self._finish()
+        self._finish(failed=exc_type is not None)
         if self._fetch_now():
             await asyncio.to_thread(fetch_tokens, [self.scope])
 
@@ -283,11 +359,15 @@ class art_capture:  # noqa: N801 - used like a function: `with art_capture() as 
             _current.reset(self._token)
             self._token = None
 
-    def _finish(self) -> None:
+    def _finish(self, failed: bool) -> None:
+        """Assemble the calls; `failed`: the body raised, which says more than an empty capture would."""
+        self.scope.close()  # first: a call landing during assembly is late, not half-assembled
         try:
             assemble(self.scope)
         except Exception:  # a bug here must not eat the rollout: keep it visible on the trajectory
             self.scope.error("assembling the trajectory failed:\n" + traceback.format_exc())
+        if not failed:
+            self.scope.report_if_empty()
 
     def _fetch_now(self) -> bool:
         """Whether this exit must fetch missing tokens itself: not when none is missing, nor

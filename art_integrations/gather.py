@@ -161,7 +161,11 @@ async def gather_trajectory_groups(
     langfuse_report = await asyncio.to_thread(langfuse.flush) if langfuse is not None else None
     if progress:
         mean = f"{statistics.fmean(rewards):.3f}" if rewards else "n/a"
+        # each one warned when it happened; counted here so a run that trains on empty or partial
+        # trajectories says so at the end
+        capture_errors = sum(int(t.metrics.get("capture_errors", 0)) for g in gathered for t in g.trajectories)
         print(f"{desc}: {len(kept)} groups ({len(dropped)} dropped), {len(rewards)} trajectories, "
-              f"{len(failures)} failed rollouts, reward mean {mean}, {tokens} completion tokens"
+              f"{len(failures)} failed rollouts, {capture_errors} capture errors (see each trajectory's logs), "
+              f"reward mean {mean}, {tokens} completion tokens"
               + (f"; langfuse: {langfuse_report}" if langfuse_report is not None else ""))
     return kept

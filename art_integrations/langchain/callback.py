@@ -15,13 +15,19 @@ id; LangChain passes that id through, and the capture fetches the tokens on exit
 The handler runs inline (`run_inline = True`), in the caller's context, so the capture is the
 caller's even under `ainvoke` and inside LangGraph's tasks. It keys its bookkeeping by
 `run_id`, and tells sub-agents apart by LangGraph's `checkpoint_ns` (each subgraph is an agent).
+
+A chat model run without this handler is noticed too (`watch()`): LangChain attaches a watcher
+to every run that has no `ARTCallbackHandler`, and a capture that records nothing names the
+models it saw that way.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
@@ -29,6 +35,7 @@ from uuid import UUID
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import BaseMessage, convert_to_openai_messages
 from langchain_core.outputs import LLMResult
+from langchain_core.tracers.context import register_configure_hook
 
 from art_integrations.capture import CaptureScope, ModelCall, current_capture, record_call
 from art_integrations.trajectory import Choice
@@ -135,3 +142,35 @@ class ARTCallbackHandler(BaseCallbackHandler):
             pending = self._pending.pop(run_id, None)
         if pending is not None:
             pending.scope.trajectory.logs.append(f"model call failed: {error!r}")
+
+
+# ----- noticing chat models that run without the handler --------------------------------------
+
+
+class _UnrecordedCalls(BaseCallbackHandler):
+    """What LangChain attaches to a run that has no `ARTCallbackHandler` (see `watch()`): each
+    chat model call it sees inside a capture is one the capture cannot record."""
+
+    run_inline = True  # in the caller's context, where its capture is
+
+    def on_chat_model_start(self, serialized: dict[str, Any] | None, messages: list[list[BaseMessage]],
+                            **kwargs: Any) -> None:
+        scope = current_capture()
+        if scope is not None:
+            name = ((serialized or {}).get("id") or ["chat model"])[-1]  # LangChain's path: [..., "ChatOpenAI"]
+            scope.note_unrecorded(
+                f"a LangChain {name} with no ARTCallbackHandler",
+                "use ChatART, or pass config={'callbacks': [ARTCallbackHandler()]} to the agent and "
+                "extra_body={'return_token_ids': True} to the chat model")
+
+
+# Never unset: LangChain reads the hook's handler from this variable in every context
+_unrecorded_calls: ContextVar[_UnrecordedCalls] = ContextVar("art_unrecorded_calls", default=_UnrecordedCalls())
+
+
+@functools.cache  # once per process: LangChain keeps its hooks for good
+def watch() -> None:
+    """Have LangChain attach `_UnrecordedCalls` to every run whose callbacks hold no
+    `ARTCallbackHandler` (`ChatART` brings its own), so a capture learns of the chat models that
+    ran in it unrecorded. Outside captures the watcher does nothing. `art_capture()` calls this."""
+    register_configure_hook(_unrecorded_calls, inheritable=False, handle_class=ARTCallbackHandler)

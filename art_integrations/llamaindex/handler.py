@@ -23,7 +23,9 @@ agent, such as one handed off to, is keyed by its name and becomes an additional
 
 Handlers run inline in the caller's context, so `current_capture()` is the caller's even
 across concurrent rollouts. Calls are paired start-to-end by span id in a registry shared by
-all handlers, so installing the handler twice never records a call twice.
+all handlers, so installing the handler twice never records a call twice. A call it does not
+record (an LLM that is not an `ARTLLM`, without `instrument()`) is noted in the capture, which
+names it if it records nothing else (`art_capture()` installs the handler for that: `watch()`).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class _Facts:
     llm: bool = False  # the span is an LLM method
+    llm_class: str = ""  # that LLM's class, to name it in a capture error
     endpoint: str | None = None  # that LLM's OpenAI base URL (…/v1)
     api_key: str | None = None
     art_llm: bool = False
@@ -75,7 +78,7 @@ class _Facts:
 
 def _facts(instance: Any, bound_args: inspect.BoundArguments) -> _Facts | None:
     if isinstance(instance, BaseLLM):
-        return _Facts(llm=True, endpoint=getattr(instance, "api_base", None),
+        return _Facts(llm=True, llm_class=type(instance).__name__, endpoint=getattr(instance, "api_base", None),
                       api_key=getattr(instance, "api_key", None), art_llm=isinstance(instance, ARTLLM))
     if isinstance(instance, AgentWorkflow):
         return _Facts(main_agent=instance.root_agent)
@@ -246,8 +249,10 @@ class ARTEventHandler(BaseEventHandler):
         lineage = _spans.lineage(event.span_id)
         llm = next((f for _, f in lineage if f.llm), _NO_FACTS)
         if not (self.all_llms or llm.art_llm):
-            logger.debug("A call from a LlamaIndex LLM that is not an ARTLLM: served, not recorded "
-                         "(call art_integrations.llamaindex.instrument() to record every LLM)")
+            scope.note_unrecorded(
+                f"a LlamaIndex {llm.llm_class or 'LLM'} (not an ARTLLM, and no instrument())",
+                "use ARTLLM, or call art_integrations.llamaindex.instrument() once to record every LLM, and pass "
+                "additional_kwargs={'extra_body': {'return_token_ids': True}} to it")
             return
         if isinstance(event, LLMChatStartEvent):
             messages = _plain(to_openai_message_dicts(event.messages))
@@ -318,3 +323,11 @@ def instrument(base_url: str | None = None, api_key: str | None = None, all_llms
         if not any(h is _spans for h in root.span_handlers):
             root.add_span_handler(_spans)
     return handler
+
+
+def watch() -> None:
+    """Make sure a handler sees every LlamaIndex LLM call, so a capture learns of the calls it
+    cannot record (an LLM that is not an `ARTLLM`, with no `instrument()` call). Installs the
+    handler as `ARTLLM` does, recording only `ARTLLM`s; one already installed is kept as it is.
+    `art_capture()` calls this."""
+    instrument(all_llms=False)
