@@ -253,7 +253,7 @@ async def _prefill_shapes_and_results(engine: TorchEngine, requests: list[Genera
 
 
 async def test_requests_prefilled_together_decode_as_each_alone(embedded_model_dir: Path) -> None:
-    engine = TorchEngine(embedded_model_dir, prefix_cache_tokens=0)  # no KV kept between requests
+    engine = TorchEngine(embedded_model_dir, prefix_cache_bytes=0)  # no KV kept between requests
     try:
         texts = ["Hi.", "What is the tallest mountain on Earth, and how tall is it?", "Name a color.",
                  "Count from one to five, please."]

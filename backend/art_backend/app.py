@@ -30,7 +30,7 @@ def choose_engine(requested: str) -> tuple[str, str]:
 
 
 # settings that one engine reads and the other does not
-_TORCH_ONLY = {"threads", "cpu_kernels"}
+_TORCH_ONLY = {"threads", "cpu_kernels", "prefix_cache_bytes"}
 _VLLM_ONLY = {"gpu_memory_utilization", "kv_cache_memory_bytes", "max_loras", "max_cpu_loras", "max_lora_rank",
               "tensor_parallel_size", "vllm_engine_args"}
 
@@ -57,11 +57,12 @@ def build_engine(settings: BackendSettings) -> Engine:
 
     return TorchEngine(model_dir, served_model_name=settings.served_model_name,
                        max_model_len=settings.max_model_len, max_batch_size=settings.max_batch_size or 64,
-                       threads=settings.threads, dtype=settings.dtype,
+                       prefix_cache_bytes=settings.prefix_cache_bytes, threads=settings.threads, dtype=settings.dtype,
                        cpu_kernels=settings.cpu_kernels)
 
 
 def build_app(settings: BackendSettings) -> FastAPI:
     engine = build_engine(settings)
     return create_app(engine, api_key=settings.api_key, close_engine_on_shutdown=True,
-                      training=TrainingService(engine, settings.art_dir))
+                      training=TrainingService(engine, settings.art_dir), max_request_bytes=settings.max_request_bytes,
+                      token_records_bytes=settings.token_records_bytes)

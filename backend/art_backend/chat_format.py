@@ -8,6 +8,7 @@ don't (SmolLM2) the tools block and tool turns are written into plain system/use
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
 from dataclasses import dataclass
@@ -88,21 +89,33 @@ def _role(message: Any, where: str) -> str:
     return "system" if role == "developer" else role
 
 
-def _call_arguments(call: Any, where: str) -> tuple[str, dict[str, Any]]:
-    """The name and decoded arguments of an OpenAI `tool_calls` entry."""
+def _call_arguments(call: Any, where: str) -> tuple[str, str, dict[str, Any]]:
+    """The name, the arguments' JSON text as sent, and the decoded arguments of an OpenAI
+    `tool_calls` entry."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ChatFormatError(f"{where} must look like {_FUNCTION_SHAPE}, got {call!r}")
     raw = function.get("arguments") or "{}"
+    text = raw if isinstance(raw, str) else _dumps(raw)
     try:
-        arguments = json.loads(raw) if isinstance(raw, str) else raw
+        arguments = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ChatFormatError(
             f"{where}.function.arguments is not valid JSON ({exc}): {raw!r}"
         ) from None
     if not isinstance(arguments, dict):
         raise ChatFormatError(f"{where}.function.arguments must encode a JSON object, got {raw!r}")
-    return function["name"], arguments
+    return function["name"], text, arguments
+
+
+def _arguments_as_rendered(text: str, arguments: dict[str, Any]) -> str:
+    """A call's arguments as the prompt shows them: as the client sent them, so a reply passed
+    back as it came renders as the model wrote it (token for token). LangChain instead sends
+    `json.dumps(args)`, escaping every non-ASCII character: that spelling is put back to the
+    one the model writes."""
+    if text == json.dumps(arguments) and text != _dumps(arguments):
+        return _dumps(arguments)
+    return text
 
 
 def _function_name(tool: Any) -> str:
@@ -112,19 +125,61 @@ def _function_name(tool: Any) -> str:
     return function["name"]
 
 
-def _parse_call_body(body: str) -> ParsedToolCall:
-    call = json.loads(body.strip())
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
-        raise ValueError('expected {"name": "...", "arguments": {...}}')
-    arguments = call.get("arguments", call.get("parameters", {}))
-    if isinstance(arguments, str):
-        arguments = json.loads(arguments)
-    if not isinstance(arguments, dict):
-        raise ValueError(f"arguments must be a JSON object, got {type(arguments).__name__}")
-    return ParsedToolCall(new_tool_call_id(), call["name"], _dumps(arguments))
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
 
 
 _JSON = json.JSONDecoder()
+_STRICT_JSON = json.JSONDecoder(parse_constant=_not_json)  # no NaN or Infinity: strict clients refuse them
+_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _member_texts(text: str) -> dict[str, str]:
+    """The members of the JSON object `text`, each value as the JSON text it was written as
+    (the standard decoder tells where a value ends, not where it starts)."""
+    position = _SPACE.match(text).end()  # type: ignore[union-attr]
+    if text[position:position + 1] != "{":
+        raise ValueError("expected a JSON object")
+    members: dict[str, str] = {}
+    position = _SPACE.match(text, position + 1).end()  # type: ignore[union-attr]
+    closed = text[position:position + 1] == "}"
+    while not closed:
+        key, position = _STRICT_JSON.raw_decode(text, position)
+        position = _SPACE.match(text, position).end()  # type: ignore[union-attr]
+        if not isinstance(key, str) or text[position:position + 1] != ":":
+            raise ValueError("expected a string key and a colon")
+        start = _SPACE.match(text, position + 1).end()  # type: ignore[union-attr]
+        _, position = _STRICT_JSON.raw_decode(text, start)
+        members[key] = text[start:position]
+        position = _SPACE.match(text, position).end()  # type: ignore[union-attr]
+        separator = text[position:position + 1]
+        if separator not in (",", "}"):
+            raise ValueError("expected a comma or the end of the object")
+        closed = separator == "}"
+        position = _SPACE.match(text, position + 1).end()  # type: ignore[union-attr]
+    if position != len(text):
+        raise ValueError("text after the JSON object")
+    return members
+
+
+def _parse_call_body(body: str) -> ParsedToolCall:
+    """A call as the model wrote it: its arguments keep their exact JSON text (a number such as
+    69E25 stays so; re-encoding would spell it 6.9e+26 and the next prompt would no longer
+    repeat the model's tokens)."""
+    try:
+        members = _member_texts(body)
+        name = json.loads(members.get("name", "null"))
+    except json.JSONDecodeError as error:
+        raise ValueError(str(error)) from None
+    if not isinstance(name, str) or not name:
+        raise ValueError('expected {"name": "...", "arguments": {...}}')
+    arguments = members.get("arguments", members.get("parameters", "{}"))
+    value = _STRICT_JSON.decode(arguments)
+    if isinstance(value, str):  # arguments written as a string of JSON
+        arguments, value = value, _STRICT_JSON.decode(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"arguments must be a JSON object, got {type(value).__name__}")
+    return ParsedToolCall(new_tool_call_id(), name, arguments)
 
 
 def _call_block(text: str, body_start: int) -> tuple[str, int]:
@@ -224,7 +279,7 @@ class ChatFormatter:
         if role == "assistant" and message.get("tool_calls"):
             out["tool_calls"] = []
             for j, call in enumerate(message["tool_calls"]):
-                name, arguments = _call_arguments(call, f"{where}.tool_calls[{j}]")
+                name, _, arguments = _call_arguments(call, f"{where}.tool_calls[{j}]")
                 hf_call = {"type": "function", "function": {"name": name, "arguments": arguments}}
                 out["tool_calls"].append({"id": call["id"], **hf_call} if call.get("id") else hf_call)
         if role == "tool" and message.get("tool_call_id"):
@@ -241,8 +296,8 @@ class ChatFormatter:
             if role == "assistant" and message.get("tool_calls"):
                 calls = []
                 for j, call in enumerate(message["tool_calls"]):
-                    name, arguments = _call_arguments(call, f"{where}.tool_calls[{j}]")
-                    body = _dumps({"name": name, "arguments": arguments})
+                    name, text, arguments = _call_arguments(call, f"{where}.tool_calls[{j}]")
+                    body = f'{{"name": {_dumps(name)}, "arguments": {_arguments_as_rendered(text, arguments)}}}'
                     calls.append(f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}")
                 content = "\n".join([content, *calls] if content else calls)
             if role == "tool":

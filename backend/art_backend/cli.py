@@ -70,6 +70,8 @@ def serve(
         help="CPU: float32 (default) or bfloat16, the serving forward's weights and matmuls (bfloat16: ~1.2x "
              "faster on AVX512-BF16/AMX CPUs, sampled logprobs ~0.03 nats off the fp32 trainer's). "
              "Env: ART_BACKEND_DTYPE.")] = None,
+    max_request_bytes: Annotated[Optional[int], typer.Option(
+        help="The largest request body taken (default 64 MiB); larger: 413. Env: ART_BACKEND_MAX_REQUEST_BYTES.")] = None,
     engine: Annotated[Optional[str], typer.Option(
         help="auto (default: vLLM where a CUDA GPU and vLLM are present, else torch), torch or vllm. "
              "Env: ART_BACKEND_ENGINE.")] = None,
@@ -92,7 +94,7 @@ def serve(
     overrides = {k: v for k, v in {
         "host": host, "port": port, "model": model, "served_model_name": served_model_name,
         "api_key": api_key, "cache_dir": cache_dir, "max_model_len": max_model_len,
-        "art_dir": art_dir, "dtype": dtype, "engine": engine, "gpu_memory_utilization": gpu_memory_utilization,
+        "art_dir": art_dir, "dtype": dtype, "max_request_bytes": max_request_bytes, "engine": engine, "gpu_memory_utilization": gpu_memory_utilization,
         "kv_cache_memory_bytes": kv_cache_memory_bytes, "max_loras": max_loras, "max_cpu_loras": max_cpu_loras,
         "max_lora_rank": max_lora_rank, "tensor_parallel_size": tensor_parallel_size,
         "vllm_engine_args": _json_object(vllm_engine_args, "--vllm-engine-args")}.items() if v is not None}

@@ -45,6 +45,15 @@ class BackendSettings(BaseSettings):
         default=None, ge=1, description="Sequences decoded together in one step. Default: 64 on the torch engine, "
         "vLLM's own on vLLM (its max_num_seqs).")
     threads: int | None = Field(default=None, description="torch engine: CPU threads. Default: all cores.")
+    prefix_cache_bytes: int = Field(
+        default=1 << 30, ge=0, description="torch engine: memory for the KV of finished turns kept for reuse by the "
+        "next turn or the group's other rollouts (least recently used out).")
+    max_request_bytes: int = Field(
+        default=64 << 20, ge=1024, description="The largest request body taken (a training step's groups included); "
+        "larger ones are refused with a 413.")
+    token_records_bytes: int = Field(
+        default=256 << 20, ge=0, description="Memory for the exact tokens of recent replies kept for callback "
+        "handlers to fetch (`return_token_ids`; least recently added out).")
     dtype: Literal["float32", "bfloat16"] = Field(
         default="float32", description="CPU: the serving forward's weights and matmuls. bfloat16 is ~1.2x faster "
         "on CPUs with AVX512-BF16 or AMX for weights that are not exact integer groups (the embedded model's are, "

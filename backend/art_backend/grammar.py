@@ -23,15 +23,41 @@ class GrammarError(ValueError):
     pass
 
 
-def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+# json.dumps's layout, the one chat_format renders tool calls with: a call the model made then
+# re-renders to the same text, so the next turn's prompt extends this turn's tokens; and no
+# stretch of whitespace for a small model to lose itself in.
+_LAYOUT = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+_DEFINITIONS = ("$defs", "definitions")
+
+
+def _rebased(value: Any, old: str, new: str) -> Any:
+    """`value` with every `$ref` to `old`... pointing to `new`... instead."""
+    if isinstance(value, dict):
+        return {key: (new + item[len(old):] if key == "$ref" and isinstance(item, str) and item.startswith(old)
+                      else _rebased(item, old, new)) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_rebased(item, old, new) for item in value]
+    return value
+
+
+def _call_schema(tool: dict[str, Any], index: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The JSON schema of a call of `tool`, and the definitions its `$ref`s need, moved to the
+    root of the grammar's schema (where `#/$defs/...` resolves) under names of this tool's own."""
     function = tool.get("function", tool)
     parameters = dict(function.get("parameters") or {"type": "object", "properties": {}})
+    definitions: dict[str, Any] = {}
+    for key in _DEFINITIONS:
+        for name, schema in (parameters.pop(key, None) or {}).items():
+            definitions[f"tool{index}_{name}"] = schema
+        parameters = _rebased(parameters, f"#/{key}/", f"#/$defs/tool{index}_")
+    definitions = {name: _rebased(_rebased(schema, "#/$defs/", f"#/$defs/tool{index}_"), "#/definitions/",
+                                  f"#/$defs/tool{index}_") for name, schema in definitions.items()}
     # Arguments the tool does not declare cannot be passed to it; without this a small model
     # keeps inventing keys until it runs out of tokens (as OpenAI's strict mode, unless the
     # schema says otherwise).
     parameters.setdefault("additionalProperties", False)
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return ({"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+             "required": ["name", "arguments"], "additionalProperties": False}, definitions)
 
 
 def _lark_string(text: str) -> str:
@@ -40,11 +66,12 @@ def _lark_string(text: str) -> str:
 
 def tool_call_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
     """Exactly the tool-call markup around a JSON call of one of `tools` (several if `parallel`)."""
-    schemas = [_call_schema(tool) for tool in tools]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    # json.dumps's layout, the one chat_format renders tool calls with: a call the model made
-    # then re-renders to the same text, so the next turn's prompt extends this turn's tokens.
-    schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+    calls = [_call_schema(tool, index) for index, tool in enumerate(tools)]
+    schemas = [schema for schema, _ in calls]
+    schema = {**(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}), **_LAYOUT}
+    definitions = {name: definition for _, found in calls for name, definition in found.items()}
+    if definitions:
+        schema["$defs"] = definitions
     repeat = ' ("\\n" call)*' if parallel else ""
     return (f"start: call{repeat}\n"
             f"call: {_lark_string(TOOL_CALL_OPEN + chr(10))} body {_lark_string(chr(10) + TOOL_CALL_CLOSE)}\n"
@@ -52,7 +79,7 @@ def tool_call_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
 
 
 def _json_lark(schema: dict[str, Any]) -> str:
-    return f"start: %json {json.dumps(schema)}\n"
+    return f"start: %json {json.dumps({**schema, **_LAYOUT})}\n"
 
 
 def json_grammar(response_format: dict[str, Any]) -> str | None:

@@ -117,7 +117,7 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # OpenAI's: a 64-bit integer
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     stream: bool = False
@@ -130,10 +130,31 @@ class ChatCompletionRequest(BaseModel):
     return_token_ids: bool = False
     ignore_eos: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        return refuse_lone_surrogates(data)
+
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
+        if "" in self.stop_strings:
+            raise ValueError("stop holds an empty string, which would end every reply at once: leave it out")
+        names = [tool.function.name for tool in self.tools or []]
+        if any(not name for name in names) or len(set(names)) < len(names):
+            raise ValueError(f"tools need distinct, non-empty function names; got {names}")
+        called: set[str] = set()
+        for index, message in enumerate(self.messages):
+            called |= {call.id for call in message.tool_calls or []}
+            if message.role == "tool" and message.tool_call_id not in called:
+                raise ValueError(f"messages[{index}] is a tool result for call {message.tool_call_id!r}, which no "
+                                 "earlier assistant message made: give it the `id` of that call (`tool_call_id`)")
+        for tool in self.tools or []:
+            parameters = tool.function.parameters
+            if parameters is not None and parameters.get("type", "object") != "object":
+                raise ValueError(f"tool {tool.function.name!r}: `parameters` must be a JSON schema of type "
+                                 f"object (the arguments are an object), got type {parameters.get('type')!r}")
         return self
 
     def not_implemented(self) -> list[str]:
@@ -163,6 +184,25 @@ class ChatCompletionRequest(BaseModel):
 
 class TokenRecordsRequest(_Lenient):
     ids: list[str] = Field(max_length=4096)
+
+
+def refuse_lone_surrogates(data: Any, where: str = "") -> Any:
+    """`data` as it is, or a ValueError naming where a string holds half of a UTF-16 surrogate
+    pair (JSON lets `"\\ud800"` through, but no UTF-8 text, prompt or file can hold it)."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where or 'the body'} holds an unpaired UTF-16 surrogate: send whole characters "
+                             "(pairs like \\ud83d\\ude00, or the UTF-8 text itself)") from None
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            refuse_lone_surrogates(key, f"a key in {where or 'the body'}")
+            refuse_lone_surrogates(value, f"{where}.{key}" if where else str(key))
+    elif isinstance(data, list):
+        for index, value in enumerate(data):
+            refuse_lone_surrogates(value, f"{where}.{index}" if where else str(index))
+    return data
 
 
 def completion_id() -> str:

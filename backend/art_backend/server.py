@@ -8,20 +8,23 @@ turn keeps that turn's exact ids (`continuation.py`), so multi-turn rollouts sta
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
+from array import array
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from art_backend.chat_format import ChatFormatError, ChatFormatter, ParsedOutput, ToolCallStreamFilter
@@ -68,31 +71,46 @@ class _Choice:
 class TokenRecords:
     """The exact tokens of recent choices, by choice id, for clients that cannot see the
     response body: LangChain's ChatOpenAI drops `token_ids`, but keeps the message `id`, so a
-    callback handler can fetch the tokens of the calls it saw afterwards."""
+    callback handler can fetch the tokens of the calls it saw afterwards. Held compactly (4 bytes
+    an id, 8 a logprob) within `budget_bytes`, least recently added out."""
 
-    def __init__(self, capacity: int = 16384) -> None:
-        self.capacity = capacity
-        self._records: OrderedDict[str, dict[str, Any]] = OrderedDict()
+    def __init__(self, budget_bytes: int = 256 << 20) -> None:
+        self.budget_bytes = budget_bytes
+        self._records: OrderedDict[str, tuple[str, array[int], array[int], array[float]]] = OrderedDict()
+        self._bytes = 0
+
+    @staticmethod
+    def _size(record: tuple[str, array[int], array[int], array[float]]) -> int:
+        return sum(part.itemsize * len(part) for part in record[1:])  # type: ignore[union-attr]
 
     def add(self, choice_id: str, model: str, prompt_ids: list[int], choice: _Choice) -> None:
-        self._records[choice_id] = {"model": model, "prompt_token_ids": prompt_ids, "token_ids": choice.token_ids,
-                                    "logprobs": [t.logprob for t in choice.logprobs]}
-        while len(self._records) > self.capacity:
-            self._records.popitem(last=False)
+        record = (model, array("i", prompt_ids), array("i", choice.token_ids),
+                  array("d", [t.logprob for t in choice.logprobs]))
+        self._records[choice_id] = record
+        self._bytes += self._size(record)
+        while self._bytes > self.budget_bytes and self._records:
+            self._bytes -= self._size(self._records.popitem(last=False)[1])
 
     def get(self, choice_id: str) -> dict[str, Any] | None:
-        return self._records.get(choice_id)
+        record = self._records.get(choice_id)
+        if record is None:
+            return None
+        model, prompt_ids, token_ids, logprobs = record
+        return {"model": model, "prompt_token_ids": prompt_ids.tolist(), "token_ids": token_ids.tolist(),
+                "logprobs": logprobs.tolist()}
 
 
 class ChatService:
     """Turns chat requests into engine requests and engine output into OpenAI responses."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, token_records_bytes: int = 256 << 20) -> None:
         self.engine = engine
         self.formatter = ChatFormatter(engine.tokenizer)
-        self.records = TokenRecords()
+        self.records = TokenRecords(token_records_bytes)
         self.continuations = TokenContinuations(engine.tokenizer)
         self._token_text = lru_cache(maxsize=65536)(self._decode_one)
+        # no token is longer than this many characters, so longer texts can be refused untokenized
+        self._longest_token = max(map(len, engine.tokenizer.get_vocab()))
 
     def _decode_one(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
@@ -114,8 +132,11 @@ class ChatService:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         tool_choice = body.tool_choice_value()
+        text = self.formatter.render(messages, tools, tool_choice)
+        if len(text) > self.engine.max_model_len * self._longest_token:
+            raise ContextLengthError.text_over(self.engine.max_model_len, len(text))
         # A prompt that replays an earlier turn keeps that turn's exact ids (see continuation.py).
-        prompt_ids = self.continuations.tokenize(self.formatter.render(messages, tools, tool_choice))
+        prompt_ids = self.continuations.tokenize(text)
         grammar = self._grammar(body, tools, tool_choice)
         used = len(prompt_ids)
         room = self.engine.max_model_len - used
@@ -297,6 +318,35 @@ class ChatService:
         return choice
 
 
+class BodyLimit:
+    """Refuse a request body over `max_bytes`: a 413 from the HTTP exception handler, OpenAI-shaped
+    (Starlette's RequestBodyLimitMiddleware would answer in plain text)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        received = int(declared) if declared.isdigit() else 0  # a declared size is refused before it is read
+
+        async def counted() -> Message:
+            nonlocal received
+            if received > self.max_bytes:
+                raise HTTPException(413)
+            message = await receive()
+            if message["type"] == "http.request" and not declared.isdigit():
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise HTTPException(413)
+            return message
+
+        await self.app(scope, counted, send)
+
+
 class UnexpectedErrorsAnswered:
     """An unexpected error becomes an OpenAI-shaped 500 here, and goes no further. Starlette's
     outermost error middleware answers too, but then re-raises, and uvicorn closes the kept-alive
@@ -336,10 +386,34 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     return "Invalid request: " + "; ".join(parts), first
 
 
+async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, Any]) -> Any:
+    """`work`'s result, or, if the client disconnects first, `work` cancelled (its generation
+    aborted, its batch slots freed at once) and a 499 no one will read."""
+    task = asyncio.ensure_future(work)
+    client_left = asyncio.Event()
+
+    async def cancel_on_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        client_left.set()
+        task.cancel()
+
+    watcher = asyncio.ensure_future(cancel_on_disconnect())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if not client_left.is_set():
+            raise  # the request itself was cancelled (the server is stopping)
+        return JSONResponse(error_body("The client disconnected.", "ClientClosedRequest", None, 499), status_code=499)
+    finally:
+        watcher.cancel()
+
+
 def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutdown: bool = False,
-               training: TrainingService | None = None) -> FastAPI:
+               training: TrainingService | None = None, max_request_bytes: int = 64 << 20,
+               token_records_bytes: int = 256 << 20) -> FastAPI:
     """The HTTP app over `engine`; with `training`, also the /v1/training routes."""
-    service = ChatService(engine)
+    service = ChatService(engine, token_records_bytes)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -349,12 +423,15 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
 
     app = FastAPI(title="art-backend", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine
+    # inside the key check (added later, so outside): its 413 is raised where the body is read
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
 
     if api_key:
         @app.middleware("http")
         async def require_api_key(request: Request, call_next: Any) -> Any:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            # the scheme is case-insensitive (RFC 9110), the key is not
+            if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
                 return JSONResponse(error_body(
                     "Missing or wrong API key: send `Authorization: Bearer <key>` (the key the backend "
                     "was started with).", "AuthenticationError", code=401), status_code=401)
@@ -391,6 +468,14 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        if error.status_code == 413:
+            return JSONResponse(error_body(
+                f"The request body is larger than this server takes ({max_request_bytes} bytes): send less, or start "
+                "the backend with a higher --max-request-bytes (ART_BACKEND_MAX_REQUEST_BYTES).",
+                "RequestTooLargeError", None, 413), status_code=413)
+        if error.status_code == 400 and error.detail == "There was an error parsing the body":  # FastAPI's words
+            return JSONResponse(error_body("Invalid request: the body is not JSON (UTF-8 text) this server can read.",
+                                           "BadRequestError", "body", 422), status_code=422)
         return JSONResponse(error_body(str(error.detail), "HTTPError", None, error.status_code),
                             status_code=error.status_code)
 
@@ -414,11 +499,11 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
             for name in engine.served_models()]}
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest) -> dict[str, Any] | StreamingResponse:
-        prepared = service.prepare(body)
-        if body.stream:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        prepared = await asyncio.to_thread(service.prepare, body)  # tokenizing stays off the event loop
+        if body.stream:  # a stream is aborted when its client leaves (Starlette cancels the generator)
             return StreamingResponse(service.stream(prepared), media_type="text/event-stream")
-        return await service.complete(prepared)
+        return await _unless_client_leaves(request, service.complete(prepared))
 
     if training is not None:
         app.include_router(training_router(training))

@@ -81,6 +81,11 @@ class ContextLengthError(ValueError):
             "in the completion). Shorten the messages or lower max_tokens."
         )
 
+    @classmethod
+    def text_over(cls, limit: int, characters: int) -> ContextLengthError:
+        return cls(f"This model's maximum context length is {limit} tokens. However, the messages are {characters} "
+                   f"characters, more than {limit} tokens can hold. Shorten the messages.")
+
 
 class InvalidSamplingError(ValueError):
     """Sampling settings the engine refuses (the message says which and why): a 400, not a 500."""

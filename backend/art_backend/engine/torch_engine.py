@@ -38,7 +38,7 @@ from art_backend.engine.base import (
 )
 from art_backend.engine.llama import LORA_TARGETS, LeanLlama, LoraWeights
 from art_backend.engine.sampling import Penalties, RowSampling, sample
-from art_backend.grammar import Constrainer
+from art_backend.grammar import Constrainer, GrammarError
 from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.tokenize import TrainSequence
 from art_backend.training.trainer import LoraTrainer
@@ -106,7 +106,7 @@ class TorchEngine:
 
     def __init__(self, model_dir: Path, served_model_name: str | None = None,
                  max_model_len: int | None = None, max_batch_size: int = 64,
-                 prefix_cache_tokens: int = 16384, threads: int | None = None,
+                 prefix_cache_bytes: int = 1 << 30, threads: int | None = None,
                  dtype: str = "float32", cpu_kernels: bool = True) -> None:
         """`dtype`: the serving forward's weights and matmuls (see `LeanLlama`); on GPU always
         the model's bfloat16. `cpu_kernels`: decode with the fused kernels of `cpu_kernels.cpp`."""
@@ -124,7 +124,7 @@ class TorchEngine:
         self._jobs: deque[tuple[Callable[[], Any], asyncio.Future[Any], asyncio.AbstractEventLoop]] = deque()
         self._prefixes: OrderedDict[tuple[int, ...], _PrefixEntry] = OrderedDict()
         self._prefix_tokens = 0
-        self._prefix_budget = prefix_cache_tokens
+        self._prefix_cache_bytes = prefix_cache_bytes
         self._wake = threading.Condition()
         self._closed = False
         # All of the engine's torch work runs on this one thread, loading included: GNU OpenMP
@@ -157,6 +157,8 @@ class TorchEngine:
         # merged float32 copy (embedded model, 16 rows: 439 against 331 tok/s)
         self._merge_adapters = self.lean.weights_dtype == torch.float32 and not self.lean.grouped_matrices
         self._cache = self.lean.new_cache()
+        k = self._cache.k  # [layers, slots, kv_heads, capacity, head_dim]; v alike
+        self._prefix_budget = self._prefix_cache_bytes // (2 * k.shape[0] * k.shape[2] * k.shape[4] * k.element_size())
         logger.info("Loaded %s in %.1f s on %s (serving weights %s, %s)", model_dir, time.perf_counter() - started,
                     self.device, self.lean.weights_layout(), "fused decode kernels" if self.lean.kernels is not None
                     else "eager decode ops")
@@ -406,6 +408,15 @@ class TorchEngine:
     def _prefill(self, batch: list[tuple[_Request, _PrefixHit]]) -> None:
         """One forward over the new prompt tokens of every request in `batch` (rows padded to
         the longest), then the first sampled token of each of their `n` sequences."""
+        states = {}
+        for request, _ in batch:  # one request's bad settings fail that request, never its batch
+            try:
+                states[id(request)] = [self._sampling_state(request, index) for index in range(request.spec.n)]
+            except Exception as error:  # noqa: BLE001 - handed to its request, which raises it
+                self._send(request, error)
+        batch = [(request, hit) for request, hit in batch if id(request) in states]
+        if not batch:
+            return
         first_slot = len(self._active)
         slots, starts, prompts = [], [], []
         slot = first_slot
@@ -430,21 +441,24 @@ class TorchEngine:
         last = torch.tensor([len(p) - start - 1 for p, start in zip(prompts, starts)], device=self.device)
         logits = self.lean.logits(hidden[torch.arange(len(batch), device=self.device), last])
         for (request, _), slot, prompt in zip(batch, slots, prompts):
-            params = request.spec.params
-            for index in range(request.spec.n):
+            for index, (rows, matcher, penalties) in enumerate(states[id(request)]):
                 if index:
                     self._cache.move(slot, slot + index, len(prompt))
-                generator = None
-                if params.seed is not None:
-                    generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
-                rows = RowSampling(params.temperature, params.top_p, params.top_logprobs, generator, params.top_k,
-                                   params.min_p)
-                matcher = self.constrainer.matcher(params.grammar) if params.grammar is not None else None
-                penalties = Penalties.for_prompt(prompt, params.frequency_penalty, params.presence_penalty,
-                                                 params.repetition_penalty, params.logit_bias)
                 self._active.append(_Sequence(request, index, list(prompt), [], rows, matcher, penalties))
         row_of_request = [row for row, (request, _) in enumerate(batch) for _ in range(request.spec.n)]
         self._accept(self._active[first_slot:], logits[row_of_request])
+
+    def _sampling_state(self, request: _Request, index: int) -> tuple[RowSampling, llguidance.LLMatcher | None,
+                                                                        Penalties | None]:
+        params = request.spec.params
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
+        rows = RowSampling(params.temperature, params.top_p, params.top_logprobs, generator, params.top_k, params.min_p)
+        matcher = self.constrainer.matcher(params.grammar) if params.grammar is not None else None
+        penalties = Penalties.for_prompt(request.spec.prompt_ids, params.frequency_penalty, params.presence_penalty,
+                                         params.repetition_penalty, params.logit_bias)
+        return rows, matcher, penalties
 
     def _find_prefix(self, tokens: list[int], adapter: LoraWeights | None) -> _PrefixHit:
         """The longest KV prefix of `tokens` held by an active sequence or the prefix store (at
@@ -500,8 +514,15 @@ class TorchEngine:
                          self.lean.kernels)
         by_request: dict[int, list[SequenceDelta]] = {}
         for seq, token, logprob, top in zip(seqs, sampled.token_ids, sampled.logprobs, sampled.top):
-            if seq.matcher is not None and not seq.matcher.is_stopped() and not seq.matcher.consume_token(token):
-                raise RuntimeError(f"grammar rejected token {token}: {seq.matcher.get_error()}")
+            matcher = seq.matcher
+            if matcher is not None and (matcher.is_error() or (not matcher.is_stopped()
+                                                                and not matcher.consume_token(token))):
+                # the grammar's parser gave up (a schema with no finite instance, say): this request fails alone
+                error = GrammarError(f"The requested structure cannot be enforced: {matcher.get_error()}")
+                self._send(seq.request, error)
+                seq.request.aborted = True
+                seq.finish_reason = "abort"
+                continue
             if seq.penalties is not None:
                 seq.penalties.record(token)
             seq.ids.append(token)
@@ -529,11 +550,11 @@ class TorchEngine:
             return None
         bitmask = llguidance.torch.allocate_token_bitmask(len(seqs), self.constrainer.tokenizer.vocab_size)
         for row, matcher in constrained:
-            if matcher.is_stopped():  # the structure is complete: only the end of the turn is left
+            if not matcher.is_stopped():
+                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
+            if matcher.is_stopped() or matcher.is_error():  # complete (or failed, see _accept): end the turn
                 bitmask[row] = 0
                 bitmask[row, self.tokenizer.eos_token_id // 32] = 1 << (self.tokenizer.eos_token_id % 32)
-            else:
-                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
         # unpack 32 tokens per int32 word (unconstrained rows stay all ones)
         bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
         allowed = bits.reshape(len(seqs), -1)[:, :vocab].bool().to(self.device)

@@ -2,37 +2,63 @@
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Annotated, Any
 
 from fastapi import APIRouter
-from pydantic import BaseModel, Field
+from fastapi import Path as PathParameter
+from pydantic import AfterValidator, BaseModel, Field, model_validator
 
+from art_backend.protocol import refuse_lone_surrogates
 from art_backend.training.service import TrainingService
 from art_integrations.training import LoraConfig, TrainConfig
 from art_integrations.trajectory import TrajectoryGroup
 
 
-class RegisterBody(BaseModel):
-    project: str = Field(min_length=1)
-    name: str = Field(min_length=1)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def _checked_name(name: str) -> str:
+    """Project, model and split names become directory and file names under the art dir (and
+    served model names): so never a path, `..`, hidden, or anything a file system may refuse."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"{name[:120]!r} is not a name here: use letters, digits, '.', '_' and '-', starting "
+                         "with a letter or digit, at most 100 characters")
+    return name
+
+
+Name = Annotated[str, AfterValidator(_checked_name)]
+NameInPath = Annotated[str, PathParameter(), AfterValidator(_checked_name)]
+
+
+class _Body(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        return refuse_lone_surrogates(data)
+
+
+class RegisterBody(_Body):
+    project: Name
+    name: Name
     base_model: str | None = None
     lora: LoraConfig = Field(default_factory=LoraConfig)
     fall_back: bool = Field(default=False, description="if the newest checkpoint does not load, move the damaged "
                             "steps aside and continue from the newest one that does")
 
 
-class TrainBody(BaseModel):
+class TrainBody(_Body):
     groups: list[TrajectoryGroup]
     config: TrainConfig = Field(default_factory=TrainConfig)
     dropped: list[str] = Field(default_factory=list, description="why groups were dropped before training")
 
 
-class LogBody(BaseModel):
+class LogBody(_Body):
     groups: list[TrajectoryGroup]
-    split: str = "val"
+    split: Name = "val"
 
 
-class DeleteCheckpointsBody(BaseModel):
+class DeleteCheckpointsBody(_Body):
     best_metric: str = "reward/mean"
     best_split: str = "val"
 
@@ -45,23 +71,23 @@ def training_router(service: TrainingService) -> APIRouter:
         return await service.register(body.project, body.name, body.base_model, body.lora, body.fall_back)
 
     @router.get("/models/{project}/{name}/step")
-    async def get_step(project: str, name: str) -> dict[str, int]:
+    async def get_step(project: NameInPath, name: NameInPath) -> dict[str, int]:
         return {"step": service.get_step(project, name)}
 
     @router.post("/models/{project}/{name}/train")
-    async def train(project: str, name: str, body: TrainBody) -> dict[str, Any]:
+    async def train(project: NameInPath, name: NameInPath, body: TrainBody) -> dict[str, Any]:
         return await service.train(project, name, body.groups, body.config, body.dropped)
 
     @router.post("/models/{project}/{name}/log")
-    async def log(project: str, name: str, body: LogBody) -> dict[str, Any]:
+    async def log(project: NameInPath, name: NameInPath, body: LogBody) -> dict[str, Any]:
         return await service.log(project, name, body.groups, body.split)
 
     @router.get("/models/{project}/{name}/history")
-    async def history(project: str, name: str) -> list[dict[str, Any]]:
+    async def history(project: NameInPath, name: NameInPath) -> list[dict[str, Any]]:
         return service.history(project, name)
 
     @router.post("/models/{project}/{name}/delete_checkpoints")
-    async def delete_checkpoints(project: str, name: str, body: DeleteCheckpointsBody) -> dict[str, Any]:
+    async def delete_checkpoints(project: NameInPath, name: NameInPath, body: DeleteCheckpointsBody) -> dict[str, Any]:
         return await service.delete_checkpoints(project, name, body.best_metric, body.best_split)
 
     return router

@@ -103,9 +103,11 @@ class TrainingService:
             raise TrainingRequestError(
                 f"Model name {name!r} is already registered by project {existing.project!r}: served "
                 "names must be unique on one backend.")
+        directory = self.art_dir / project / "models" / name
+        if not directory.resolve().is_relative_to(self.art_dir.resolve()):
+            raise TrainingRequestError(f"{project!r}/{name!r} would put the model outside the art dir: use plain names.")
         async with self._locks[name]:
-            model = ModelFiles(project, name, self._stored_lora(project, name) or lora,
-                               self.art_dir / project / "models" / name)
+            model = ModelFiles(project, name, self._stored_lora(project, name) or lora, directory)
             try:
                 self.engine.check_lora(model.lora)
             except ValueError as error:
@@ -212,6 +214,7 @@ class TrainingService:
 
     def _prepare(self, groups: list[TrajectoryGroup], config: TrainConfig) -> tuple[list[TrainSequence], dict[str, Any]]:
         stats = TokenizeStats()
+        vocabulary = len(self.engine.tokenizer)
         sequences: list[TrainSequence] = []
         trained = skipped = 0
         for g, group in enumerate(groups):
@@ -222,10 +225,17 @@ class TrainingService:
             trained += 1
             for i, (trajectory, advantage) in enumerate(zip(group.trajectories, advantages)):
                 try:
-                    sequences += tokenize_trajectory(trajectory, advantage, f"group {g}, trajectory {i}",
-                                                     stats, config.max_sequence_length)
+                    tokenized = tokenize_trajectory(trajectory, advantage, f"group {g}, trajectory {i}",
+                                                    stats, config.max_sequence_length)
                 except ValueError as error:
                     raise TrainingRequestError(str(error)) from error
+                foreign = sorted({t for s in tokenized for t in s.token_ids if not 0 <= t < vocabulary})
+                if foreign:
+                    raise TrainingRequestError(
+                        f"group {g}, trajectory {i}: token ids {foreign[:5]} are outside this model's vocabulary "
+                        f"(0..{vocabulary - 1}): they did not come from this backend's model. Capture the tokens of "
+                        "its own replies (`return_token_ids`).")
+                sequences += tokenized
         metrics: dict[str, Any] = reward_metrics(groups)
         metrics.update({
             "groups/trained": trained, "groups/skipped_zero_variance": skipped,
