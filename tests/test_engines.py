@@ -256,3 +256,16 @@ async def test_a_large_logit_bias_forces_a_token_and_penalties_change_greedy_tex
     penalized = (await _run(engine, GenerationRequest(prompt, SamplingParams(
         max_tokens=24, temperature=0, frequency_penalty=2.0))))[0]
     assert penalized["ids"] != plain["ids"]
+
+
+async def test_a_grammar_that_cannot_be_followed_fails_its_request_alone(engine: Engine) -> None:
+    node = {"type": "object", "properties": {"child": {"$ref": "#/$defs/node"}}, "required": ["child"]}
+    endless = json_grammar({"type": "json_schema", "json_schema": {"name": "n", "schema": {  # no finite instance
+        "$defs": {"node": node}, "$ref": "#/$defs/node"}}})
+    prompt = _prompt(engine, "Hi")
+    failed, *others = await asyncio.gather(
+        _run(engine, GenerationRequest(prompt, SamplingParams(max_tokens=64, grammar=endless))),
+        *(_run(engine, GenerationRequest(prompt, SamplingParams(max_tokens=12))) for _ in range(4)),
+        return_exceptions=True)
+    assert isinstance(failed, ValueError) and "cannot be enforced" in str(failed)
+    assert all(isinstance(out, dict) and out[0]["finish"] in ("stop", "length") for out in others)

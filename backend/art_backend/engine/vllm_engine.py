@@ -45,7 +45,7 @@ from art_backend.engine.base import (
     end_of_turn_ids,
 )
 from art_backend.engine.sampling import LOWEST_LOGPROB
-from art_backend.grammar import Constrainer
+from art_backend.grammar import Constrainer, GrammarError
 from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.tokenize import TrainSequence
 from art_backend.training.trainer import LoraTrainer, load_trainable_model
@@ -275,7 +275,7 @@ class VLLMEngine:
             try:
                 async for output in self._llm.generate({"prompt_token_ids": request.prompt_ids}, sampling,
                                                        uuid.uuid4().hex, lora_request=lora):
-                    send([self._delta(o, params.top_logprobs) for o in output.outputs])
+                    send([self._delta(o, params.top_logprobs, params.grammar is not None) for o in output.outputs])
             except asyncio.CancelledError:  # the caller went away: vLLM aborts the request
                 raise
             except ValueError as error:  # vLLM refused the request's input, as its own server says with a 400
@@ -314,11 +314,14 @@ class VLLMEngine:
             raise InvalidSamplingError(str(error)) from error
 
     @staticmethod
-    def _delta(output: Any, top_logprobs: int) -> SequenceDelta:
+    def _delta(output: Any, top_logprobs: int, grammar: bool) -> SequenceDelta:
         token_ids = list(output.token_ids)
         logprobs = [VLLMEngine._token_logprob(token, position, top_logprobs)
                     for token, position in zip(token_ids, output.logprobs or ())]
         finish = output.finish_reason
+        if finish == "error" and grammar:  # what vLLM says when its structured output gives up on a grammar
+            raise GrammarError("The requested structure cannot be enforced: vLLM's structured output could not "
+                               "follow it (a schema with no finite instance, say)")
         if finish not in (None, "stop", "length", "abort"):
             raise RuntimeError(f"vLLM ended a sequence with {finish!r}")
         return SequenceDelta(output.index, token_ids, logprobs, output.text, finish)
