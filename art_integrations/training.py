@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class TrainConfig(BaseModel):
+    # strict: a setting of the wrong type (`scale_rewards=0`, `learning_rate="1e-5"`) is refused, not guessed at
+    model_config = ConfigDict(strict=True)
+
     learning_rate: float = Field(default=1e-5, gt=0)
     loss: Literal["cispo", "ppo"] = "cispo"
     epsilon: float | None = Field(default=None, ge=0, description="Lower clip; default 1.0 (CISPO), 0.2 (PPO).")
@@ -23,6 +26,8 @@ class TrainConfig(BaseModel):
 
 class LoraConfig(BaseModel):
     """The adapter trained for a model; fixed at its first step."""
+
+    model_config = ConfigDict(strict=True)
 
     rank: int = Field(default=8, ge=1)
     alpha: int = Field(default=16, ge=1)

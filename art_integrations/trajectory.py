@@ -105,6 +105,13 @@ class Trajectory(History):
                 )
         return metrics
 
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _reward_is_a_number(cls, reward: Any) -> Any:
+        if isinstance(reward, (bool, str)):  # pydantic would read True as 1.0 and "0.5" as 0.5
+            raise ValueError(f"reward must be a number, got {reward!r} ({type(reward).__name__})")
+        return reward
+
     @field_validator("reward")
     @classmethod
     def _reward_is_finite(cls, reward: float) -> float:

@@ -129,10 +129,18 @@ async def test_a_backend_killed_at_any_moment_recovers_every_acknowledged_step(t
     with backend_process(art_dir) as process:
         backend, model = await _registered(process)
         client = model.openai_client(max_retries=0)
-        rollouts = [asyncio.create_task(client.chat.completions.create(
-            model="agent", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=200)) for i in range(8)]
-        await asyncio.sleep(0.5)
-        process.send_signal(signal.SIGKILL)
+        started = [asyncio.Event() for _ in range(8)]
+
+        async def rollout(i: int) -> None:
+            stream = await client.chat.completions.create(
+                model="agent", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=1500, stream=True,
+                extra_body={"ignore_eos": True})
+            async for _ in stream:
+                started[i].set()
+
+        rollouts = [asyncio.create_task(rollout(i)) for i in range(8)]
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), timeout=120)
+        process.send_signal(signal.SIGKILL)  # every rollout is mid-generation
         _killed(process)
         assert all(isinstance(r, Exception) for r in await asyncio.gather(*rollouts, return_exceptions=True))
         await backend.close()

@@ -164,6 +164,33 @@ def test_a_grammar_that_cannot_be_followed_fails_alone(http: httpx.Client) -> No
     assert [r.status_code for r in others] == [200] * 6
 
 
+def test_extreme_sampling_settings_fail_alone_or_mean_what_vllm_means(http: httpx.Client) -> None:
+    async def together() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=str(http.base_url), headers=dict(http.headers), timeout=120) as client:
+            return list(await asyncio.gather(
+                *(client.post("/v1/chat/completions", json={
+                    "model": TINY, "messages": USER, "max_tokens": 4, "repetition_penalty": penalty})
+                  for penalty in (5e-324, 1e300)),
+                *(client.post("/v1/chat/completions", json={"model": TINY, "messages": USER, "max_tokens": 8})
+                  for _ in range(4))))
+
+    responses = asyncio.run(together())
+    for response in responses[:2]:  # their logits overflow float32: a 400 naming the setting, theirs alone
+        assert response.status_code == 400 and "repetition_penalty" in response.json()["error"]["message"]
+    assert [r.status_code for r in responses[2:]] == [200] * 4
+
+    # a temperature below 1e-5 is greedy (vLLM's rule), not the unscaled distribution
+    greedy = chat(http, temperature=0.0, max_tokens=6, logprobs=True).json()["choices"][0]
+    tiny = chat(http, temperature=1e-300, max_tokens=6, logprobs=True).json()["choices"][0]
+    assert tiny["message"]["content"] == greedy["message"]["content"]
+
+    # a token with no chance (past a top-k cut) is reported as OpenAI does, never as -inf (not JSON)
+    cut = chat(http, temperature=1.0, top_k=1, logprobs=True, top_logprobs=3, return_token_ids=True)
+    assert cut.status_code == 200
+    top = cut.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert [t["logprob"] for t in top[1:]] == [-9999.0, -9999.0]
+
+
 def test_a_tool_whose_schema_has_definitions_gets_a_well_formed_call(http: httpx.Client) -> None:
     # what pydantic writes for a nested model, as LangChain's with_structured_output sends it
     parameters = {"type": "object", "properties": {"place": {"$ref": "#/$defs/Place"}}, "required": ["place"],

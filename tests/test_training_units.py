@@ -10,7 +10,7 @@ import torch
 from art_backend.training.loss import LossConfig, policy_loss
 from art_backend.training.service import group_advantages
 from art_backend.training.tokenize import MissingTokensError, TokenizeStats, tokenize_trajectory
-from art_integrations import Choice, History, Trajectory
+from art_integrations import Choice, History, TrainConfig, Trajectory
 
 
 def test_cispo_loss_matches_a_hand_computation() -> None:
@@ -91,6 +91,18 @@ def test_metrics_must_be_numbers() -> None:
     with pytest.raises(ValueError, match="metric 'note' is 'hello'"):
         Trajectory(metrics={"note": "hello"})
     assert Trajectory(metrics={"ok": True, "n": 3, "x": 0.5}).metrics["ok"] is True
+
+
+def test_rewards_and_settings_of_the_wrong_type_are_refused_not_coerced() -> None:
+    for wrong in (True, "0.5"):
+        with pytest.raises(ValueError, match="reward must be a number"):
+            Trajectory(reward=wrong)
+    assert Trajectory(reward=1).reward == 1.0
+    with pytest.raises(ValueError, match="scale_rewards"):
+        TrainConfig(scale_rewards=0)
+    with pytest.raises(ValueError, match="learning_rate"):
+        TrainConfig.model_validate_json('{"learning_rate": "1e-5"}')
+    assert TrainConfig(learning_rate=1).learning_rate == 1.0
 
 
 def test_json_has_arts_trajectory_shape() -> None:

@@ -85,7 +85,7 @@ class TokenRecords:
 
     def add(self, choice_id: str, model: str, prompt_ids: list[int], choice: _Choice) -> None:
         record = (model, array("i", prompt_ids), array("i", choice.token_ids),
-                  array("d", [t.logprob for t in choice.logprobs]))
+                  array("d", [reportable(t.logprob) for t in choice.logprobs]))
         self._records[choice_id] = record
         self._bytes += self._size(record)
         while self._bytes > self.budget_bytes and self._records:
@@ -98,6 +98,12 @@ class TokenRecords:
         model, prompt_ids, token_ids, logprobs = record
         return {"model": model, "prompt_token_ids": prompt_ids.tolist(), "token_ids": token_ids.tolist(),
                 "logprobs": logprobs.tolist()}
+
+
+def reportable(logprob: float) -> float:
+    """A logprob JSON can carry: a token with no chance (-inf, among top logprobs past a top-k cut,
+    say) is reported as -9999.0, as OpenAI and vLLM do."""
+    return max(logprob, -9999.0)
 
 
 class ChatService:
@@ -145,7 +151,8 @@ class ChatService:
             raise ContextLengthError.over(self.engine.max_model_len, used, limit or 0)
         params = SamplingParams(
             max_tokens=limit or room,
-            temperature=1.0 if body.temperature is None else body.temperature,
+            # below 1e-5 is greedy, as in vLLM: dividing float32 logits by less overflows
+            temperature=1.0 if body.temperature is None else body.temperature if body.temperature >= 1e-5 else 0.0,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=max(body.top_k or 0, 0),
             min_p=body.min_p or 0.0,
@@ -187,7 +194,7 @@ class ChatService:
     def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
         def item(token_id: int, logprob: float) -> dict[str, Any]:
             text = self._token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"token": text, "logprob": reportable(logprob), "bytes": list(text.encode())}
 
         return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                             for e in entries]}
@@ -476,8 +483,9 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
         if error.status_code == 400 and error.detail == "There was an error parsing the body":  # FastAPI's words
             return JSONResponse(error_body("Invalid request: the body is not JSON (UTF-8 text) this server can read.",
                                            "BadRequestError", "body", 422), status_code=422)
+        # keeps Starlette's headers, such as a 405's `Allow`
         return JSONResponse(error_body(str(error.detail), "HTTPError", None, error.status_code),
-                            status_code=error.status_code)
+                            status_code=error.status_code, headers=error.headers)
 
     app.add_middleware(UnexpectedErrorsAnswered)
 
@@ -498,7 +506,9 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
              "root": engine.base_model_name, "max_model_len": engine.max_model_len}
             for name in engine.served_models()]}
 
-    @app.post("/v1/chat/completions", response_model=None)
+    # a completion is JSON, or with `stream` server-sent events of chunks
+    @app.post("/v1/chat/completions", response_model=None, responses={200: {"content": {
+        "application/json": {}, "text/event-stream": {}}}})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         prepared = await asyncio.to_thread(service.prepare, body)  # tokenizing stays off the event loop
         if body.stream:  # a stream is aborted when its client leaves (Starlette cancels the generator)

@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from art_backend.engine.base import (
     ContextLengthError,
     GenerationRequest,
+    InvalidSamplingError,
     ModelNotServedError,
     SequenceDelta,
     TokenLogprob,
@@ -510,6 +511,18 @@ class TorchEngine:
         for row, seq in enumerate(seqs):
             if seq.penalties is not None:
                 seq.penalties.apply(logits[row])
+        broken = [seq for seq, finite in zip(seqs, torch.isfinite(logits.amax(dim=-1)).tolist()) if not finite]
+        for seq in broken:  # a NaN or +inf logit, from extreme penalties: this request fails alone
+            if not seq.request.aborted:
+                params = seq.request.spec.params
+                self._send(seq.request, InvalidSamplingError(
+                    f"The sampling settings make this request's logits non-finite (repetition_penalty="
+                    f"{params.repetition_penalty}, frequency_penalty={params.frequency_penalty}, presence_penalty="
+                    f"{params.presence_penalty}): use values nearer 1.0 (repetition) or 0.0 (the others)."))
+            seq.request.aborted = True
+            seq.finish_reason = "abort"
+        if broken:
+            logits = logits.nan_to_num(nan=0.0, posinf=0.0)  # the aborted rows' draws are thrown away
         sampled = sample(logits, [s.rows for s in seqs], self._allowed_tokens(seqs, logits.shape[-1]),
                          self.lean.kernels)
         by_request: dict[int, list[SequenceDelta]] = {}
