@@ -19,8 +19,9 @@ class TrainConfig(BaseModel):
     scale_rewards: bool = Field(default=True, description="Divide advantages by the group's reward std.")
     max_grad_norm: float = Field(default=1.0, gt=0)
     temperature: float = Field(default=1.0, gt=0, description="The temperature rollouts were sampled at.")
-    micro_batch_tokens: int = Field(default=1024, ge=64, description="Padded tokens per forward/backward pass "
-                                    "(activation memory grows with it).")
+    micro_batch_tokens: int = Field(default=2048, ge=64, description="Tokens per forward/backward pass, padding "
+                                    "included: a batch of packed prefix-tree rows, or of padded sequences where the "
+                                    "trainer does not pack (activation memory grows with it).")
     max_sequence_length: int = Field(default=4096, ge=16)
 
 

@@ -65,6 +65,34 @@ def reward_metrics(groups: list[TrajectoryGroup]) -> dict[str, float]:
     return out
 
 
+def step_sequences(groups: list[TrajectoryGroup], config: TrainConfig, stats: TokenizeStats,
+                   vocabulary: int) -> tuple[list[TrainSequence], int, int]:
+    """The sequences a step trains on (each with its trajectory's group advantage), and how many
+    groups were trained and skipped (equal rewards: no signal)."""
+    sequences: list[TrainSequence] = []
+    trained = skipped = 0
+    for g, group in enumerate(groups):
+        advantages = group_advantages([t.reward for t in group.trajectories], config.scale_rewards)
+        if advantages is None:
+            skipped += 1
+            continue
+        trained += 1
+        for i, (trajectory, advantage) in enumerate(zip(group.trajectories, advantages)):
+            try:
+                tokenized = tokenize_trajectory(trajectory, advantage, f"group {g}, trajectory {i}", stats,
+                                                config.max_sequence_length)
+            except ValueError as error:
+                raise TrainingRequestError(str(error)) from error
+            foreign = sorted({t for s in tokenized for t in s.token_ids if not 0 <= t < vocabulary})
+            if foreign:
+                raise TrainingRequestError(
+                    f"group {g}, trajectory {i}: token ids {foreign[:5]} are outside this model's vocabulary "
+                    f"(0..{vocabulary - 1}): they did not come from this backend's model. Capture the tokens of "
+                    "its own replies (`return_token_ids`).")
+            sequences += tokenized
+    return sequences, trained, skipped
+
+
 class TrainingService:
     def __init__(self, engine: Engine, art_dir: Path) -> None:
         self.engine = engine
@@ -214,28 +242,7 @@ class TrainingService:
 
     def _prepare(self, groups: list[TrajectoryGroup], config: TrainConfig) -> tuple[list[TrainSequence], dict[str, Any]]:
         stats = TokenizeStats()
-        vocabulary = len(self.engine.tokenizer)
-        sequences: list[TrainSequence] = []
-        trained = skipped = 0
-        for g, group in enumerate(groups):
-            advantages = group_advantages([t.reward for t in group.trajectories], config.scale_rewards)
-            if advantages is None:
-                skipped += 1
-                continue
-            trained += 1
-            for i, (trajectory, advantage) in enumerate(zip(group.trajectories, advantages)):
-                try:
-                    tokenized = tokenize_trajectory(trajectory, advantage, f"group {g}, trajectory {i}",
-                                                    stats, config.max_sequence_length)
-                except ValueError as error:
-                    raise TrainingRequestError(str(error)) from error
-                foreign = sorted({t for s in tokenized for t in s.token_ids if not 0 <= t < vocabulary})
-                if foreign:
-                    raise TrainingRequestError(
-                        f"group {g}, trajectory {i}: token ids {foreign[:5]} are outside this model's vocabulary "
-                        f"(0..{vocabulary - 1}): they did not come from this backend's model. Capture the tokens of "
-                        "its own replies (`return_token_ids`).")
-                sequences += tokenized
+        sequences, trained, skipped = step_sequences(groups, config, stats, len(self.engine.tokenizer))
         metrics: dict[str, Any] = reward_metrics(groups)
         metrics.update({
             "groups/trained": trained, "groups/skipped_zero_variance": skipped,

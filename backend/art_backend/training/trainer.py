@@ -26,7 +26,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from art_backend.kill_points import kill_point
 from art_backend.training.checkpoints import DamagedCheckpointError
-from art_backend.training.loss import LossConfig, policy_loss
+from art_backend.training.loss import LossConfig, LossTerms, policy_loss
+from art_backend.training.packing import PackedBatch, pack
 from art_backend.training.tokenize import TrainSequence
 from art_integrations.training import LoraConfig, TrainConfig
 
@@ -41,10 +42,11 @@ def _peft_first_adapter(base: PreTrainedModel, config: PeftLoraConfig, name: str
     return get_peft_model(base, config, adapter_name=name), name
 
 
-def load_trainable_model(model_dir: Path, max_seq_length: int) -> tuple[PreTrainedModel, FirstAdapter]:
+def load_trainable_model(model_dir: Path, max_seq_length: int) -> tuple[PreTrainedModel, FirstAdapter, bool]:
     """A copy of the base model for training beside another engine's serving weights: Unsloth's
     on a GPU where `unsloth` imports (its kernels, our loss), else transformers' (float32 on CPU,
-    the precision the torch engine serves and the importance ratio compares; bfloat16 on a GPU)."""
+    the precision the torch engine serves and the importance ratio compares; bfloat16 on a GPU);
+    and whether its steps can run packed (see `LoraTrainer`)."""
     if torch.cuda.is_available() and importlib.util.find_spec("unsloth") is not None:
         try:
             from art_backend.training.unsloth import load_unsloth_model
@@ -56,7 +58,7 @@ def load_trainable_model(model_dir: Path, max_seq_length: int) -> tuple[PreTrain
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     logger.info("Trainer: peft LoRA on a %s copy of %s (%s)", device, model_dir, dtype)
-    return model, _peft_first_adapter
+    return model, _peft_first_adapter, True
 
 
 def _adapter_key(model_name: str) -> str:
@@ -83,9 +85,13 @@ def _micro_batches(sequences: list[TrainSequence], budget: int) -> list[list[Tra
 
 
 class LoraTrainer:
-    def __init__(self, model: PreTrainedModel, first_adapter: FirstAdapter = _peft_first_adapter) -> None:
+    def __init__(self, model: PreTrainedModel, first_adapter: FirstAdapter = _peft_first_adapter,
+                 packing: bool = True) -> None:
+        """`packing`: run each step's sequences as prefix trees (packing.py), which takes a model
+        whose attention applies a 4D mask as given (transformers' SDPA and eager attention do)."""
         self.base = model
         self.first_adapter = first_adapter
+        self.packing = packing
         self.peft: PeftModel | None = None
         self.keys: dict[str, str] = {}  # trained model name -> its peft adapter's name
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
@@ -131,17 +137,8 @@ class LoraTrainer:
         for group in optimizer.param_groups:
             group["lr"] = config.learning_rate
         optimizer.zero_grad(set_to_none=True)  # a step that failed halfway may have left gradients
-        losses = loss_config(config)
-        total_weight = sum(s.weight * sum(s.assistant_mask) for s in sequences)
-        sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clipped_fraction": 0.0, "entropy": 0.0}
         self.peft.train()
-        for batch in _micro_batches(sequences, config.micro_batch_tokens):
-            terms, entropy = self._backward(batch, config, losses, total_weight)
-            sums["loss"] += float(terms.loss.detach())
-            sums["policy_loss"] += float(terms.policy_loss)
-            sums["kl"] += float(terms.kl)
-            sums["clipped_fraction"] += float(terms.clipped_fraction)
-            sums["entropy"] += entropy
+        sums = self.accumulate_gradients(sequences, config)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -149,8 +146,31 @@ class LoraTrainer:
         self._save(key, optimizer, save_to)
         return {**sums, "grad_norm": float(grad_norm), "train_seconds": time.perf_counter() - started}
 
+    def accumulate_gradients(self, sequences: list[TrainSequence], config: TrainConfig) -> dict[str, float]:
+        """The step's loss over `sequences` (each of its parts summed) and its gradients on the
+        active adapter, forward by forward: prefix-tree rows with packing, else padded rows."""
+        assert self.peft is not None
+        losses = loss_config(config)
+        total_weight = sum(s.weight * sum(s.assistant_mask) for s in sequences)
+        sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clipped_fraction": 0.0, "entropy": 0.0}
+        batches = (pack(sequences, config.micro_batch_tokens) if self.packing
+                   else _micro_batches(sequences, config.micro_batch_tokens))
+        for batch in batches:
+            if isinstance(batch, PackedBatch):
+                terms, entropy = self._packed_backward(batch, config, losses, total_weight)
+            else:
+                terms, entropy = self._backward(batch, config, losses, total_weight)
+            sums["loss"] += float(terms.loss.detach())
+            sums["policy_loss"] += float(terms.policy_loss)
+            sums["kl"] += float(terms.kl)
+            sums["clipped_fraction"] += float(terms.clipped_fraction)
+            sums["entropy"] += entropy
+        return sums
+
     def _backward(self, batch: list[TrainSequence], config: TrainConfig, losses: LossConfig,
-                  total_weight: float) -> tuple[object, float]:
+                  total_weight: float) -> tuple[LossTerms, float]:
+        """Unpacked: the sequences as rows padded to the longest (for a model whose attention takes
+        no custom mask)."""
         assert self.peft is not None
         length = len(batch[0])
         ids = torch.full((len(batch), length), self.pad_id, dtype=torch.long)
@@ -178,6 +198,34 @@ class LoraTrainer:
             logp_all = torch.log_softmax(logits[:, :-1].float() / config.temperature, dim=-1)
             return logp_all, logp_all.gather(-1, targets)[..., 0]
 
+        return self._loss_backward(target_logprobs, rollout, advantages, weights, losses)
+
+    def _packed_backward(self, batch: PackedBatch, config: TrainConfig, losses: LossConfig,
+                         total_weight: float) -> tuple[LossTerms, float]:
+        """Prefix-tree rows (see packing.py): each trained token's logits come from the one copy
+        of its context; logits only at the positions some term needs."""
+        assert self.peft is not None
+        keep, term_index = torch.unique(batch.term_positions, return_inverse=True)
+        inputs = {"input_ids": batch.token_ids.to(self.device), "position_ids": batch.positions.to(self.device),
+                  "attention_mask": batch.attention_bias(self.base.dtype).to(self.device),
+                  "logits_to_keep": keep.to(self.device)}
+        rows, term_index = batch.term_rows.to(self.device), term_index.to(self.device)
+        targets = batch.term_targets.to(self.device)
+
+        def target_logprobs() -> tuple[torch.Tensor, torch.Tensor]:
+            logits = self.peft(**inputs).logits[rows, term_index]
+            logp_all = torch.log_softmax(logits.float() / config.temperature, dim=-1)
+            return logp_all, logp_all.gather(-1, targets[:, None])[:, 0]
+
+        weights = batch.term_weights / total_weight
+        return self._loss_backward(target_logprobs, *(x.to(self.device) for x in (
+            batch.term_rollout_logprobs, batch.term_advantages, weights)), losses)
+
+    def _loss_backward(self, target_logprobs: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                       rollout: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
+                       losses: LossConfig) -> tuple[LossTerms, float]:
+        """The loss of one forward's trained tokens, its gradients accumulated; and their entropy."""
+        assert self.peft is not None
         logp_all, logp_new = target_logprobs()
         logp_ref = None
         if losses.beta:

@@ -32,8 +32,10 @@ def _unsloth_first_adapter(base: PreTrainedModel, config: PeftLoraConfig, name: 
     return model, model.active_adapter  # Unsloth names its adapter itself
 
 
-def load_unsloth_model(model_dir: Path, max_seq_length: int) -> tuple[PreTrainedModel, FirstAdapter]:
+def load_unsloth_model(model_dir: Path, max_seq_length: int) -> tuple[PreTrainedModel, FirstAdapter, bool]:
+    """The model, its first adapter's maker, and no packing: Unsloth's attention builds its own
+    causal masks, so a prefix tree's 4D mask would not be applied as given."""
     model, _ = FastLanguageModel.from_pretrained(model_name=str(model_dir), max_seq_length=max_seq_length,
                                                  dtype=torch.bfloat16, load_in_4bit=False)
     logger.info("Trainer: Unsloth FastLanguageModel on a GPU copy of %s (bfloat16)", model_dir)
-    return model, _unsloth_first_adapter
+    return model, _unsloth_first_adapter, False

@@ -1,0 +1,120 @@
+"""Prefix-tree packing: a step's loss and LoRA gradients packed equal the unpacked ones, on real
+captured trajectories (the main job's agent; a supervisor whose sub-agent trains as additional
+histories, and a prefix break), and what the rows hold."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from art_backend.training.packing import pack
+from art_backend.training.service import step_sequences
+from art_backend.training.tokenize import TokenizeStats, TrainSequence
+from art_backend.training.trainer import LoraTrainer
+from art_integrations.training import LoraConfig, TrainConfig
+from art_integrations.trajectory import TrajectoryGroup
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def captured_sequences(fixture: str) -> tuple[list[TrainSequence], TokenizeStats]:
+    """A stored step's groups (captured from a real run on the embedded model) as the trainer gets them."""
+    groups = [TrajectoryGroup.model_validate_json(line) for line in (FIXTURES / fixture).read_text().splitlines()]
+    stats = TokenizeStats()
+    sequences, _, _ = step_sequences(groups, TrainConfig(), stats, vocabulary=49152)
+    return sequences, stats
+
+
+def with_a_prefix_break(sequences: list[TrainSequence]) -> list[TrainSequence]:
+    """One more sequence as a prefix break leaves it: the first sequence's tokens with one token
+    of its prompt re-spelled, from there on a sequence of its own that shares only the head."""
+    first = sequences[0]
+    broken = list(first.token_ids)
+    broken[len(broken) // 3] = (broken[len(broken) // 3] + 1) % 49152
+    return [*sequences, TrainSequence(broken, first.assistant_mask, first.logprobs, -first.advantage, first.weight)]
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_dir: Path) -> LoraTrainer:
+    torch.manual_seed(0)
+    trainer = LoraTrainer(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
+    trainer._adapter("m", LoraConfig(), None)  # noqa: SLF001 - the adapter both ways are computed with
+    assert trainer.peft is not None
+    with torch.no_grad():  # B starts at zero, which would leave A's gradients zero: make both count
+        for name, param in trainer.peft.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    return trainer
+
+
+def _gradients(trainer: LoraTrainer, sequences: list[TrainSequence], config: TrainConfig,
+               packing: bool) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    assert trainer.peft is not None
+    trainer.packing = packing
+    trainer.peft.zero_grad(set_to_none=True)
+    sums = trainer.accumulate_gradients(sequences, config)
+    return sums, {n: p.grad.clone() for n, p in trainer.peft.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("fixture", ["city_facts_step.jsonl", "supervisor_step.jsonl"])
+def test_a_packed_step_has_the_unpacked_loss_and_gradients(trainer: LoraTrainer, fixture: str) -> None:
+    sequences, _ = captured_sequences(fixture)
+    if fixture == "supervisor_step.jsonl":  # each rollout's research sub-agent trains as a sequence of its own
+        groups = [TrajectoryGroup.model_validate_json(line) for line in (FIXTURES / fixture).read_text().splitlines()]
+        assert all(len(t.additional_histories) == 1 for g in groups for t in g.trajectories)
+        assert len(sequences) == 2 * sum(len(g.trajectories) for g in groups)
+    sequences = with_a_prefix_break(sequences)
+    if fixture == "supervisor_step.jsonl":  # supervisor and sub-agent share nothing: two rows, padded
+        assert max(b.token_ids.shape[0] for b in pack(sequences, 2048)) >= 2
+    config = TrainConfig(temperature=0.7, beta=0.05, micro_batch_tokens=2048)
+    packed_sums, packed = _gradients(trainer, sequences, config, packing=True)
+    plain_sums, plain = _gradients(trainer, sequences, config, packing=False)
+    assert packed_sums == pytest.approx(plain_sums, rel=1e-4, abs=1e-6)
+    assert packed.keys() == plain.keys() and len(packed) == 2 * 7 * 2  # A and B of 7 projections, 2 layers
+    for name, gradient in packed.items():
+        torch.testing.assert_close(gradient, plain[name], rtol=1e-4, atol=1e-7, msg=name)
+    assert any(float(g.abs().max()) > 0 for n, g in packed.items() if "lora_A" in n)
+
+
+def test_rows_hold_each_shared_token_once_and_every_trained_token_as_a_term() -> None:
+    sequences, _ = captured_sequences("city_facts_step.jsonl")
+    (batch,) = pack(sequences, 4096)  # the groups share their head: one tree
+    assert batch.tokens < sum(len(s) for s in sequences) / 4
+    assert len(batch.term_targets) == sum(sum(s.assistant_mask[1:]) for s in sequences)
+    (parents,) = batch.parents  # each term's predicting token is the target's predecessor in its sequence
+    assert all(parents[int(p)] < int(p) for p in batch.term_positions if parents[int(p)] >= 0)
+    small = pack(sequences, 1024)
+    assert max(b.tokens for b in small) <= 1024 < max(len(s) for s in sequences) * 2
+
+
+def _tiny(length: int, value: float) -> TrainSequence:
+    return TrainSequence(list(range(length)), [False] * (length - 1) + [True], [math.nan] * length, value, 1.0)
+
+
+def test_the_mask_lets_a_token_see_exactly_its_own_path() -> None:
+    (batch,) = pack([_tiny(3, 1.0), TrainSequence([0, 1, 7], [False, False, True], [math.nan] * 3, -1.0, 1.0)], 16)
+    assert batch.token_ids.tolist() == [[0, 1, 2, 7]] and batch.positions.tolist() == [[0, 1, 2, 2]]
+    allowed = (batch.attention_bias(torch.float32)[0, 0] == 0).int().tolist()
+    assert allowed == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]]
+    assert batch.term_positions.tolist() == [1, 1] and sorted(batch.term_targets.tolist()) == [2, 7]
+
+
+def test_sequences_that_share_nothing_keep_rows_of_their_own_batched_with_padding() -> None:
+    # merged, a row of 16 would make every token attend over twice the length for nothing
+    apart = [TrainSequence(list(range(start, start + 8)), [False] * 7 + [True], [math.nan] * 8, 1.0, 1.0)
+             for start in (0, 100)]
+    short = TrainSequence(list(range(200, 205)), [False] * 4 + [True], [math.nan] * 5, -1.0, 1.0)
+    (batch,) = pack([*apart, short], 64)
+    assert batch.token_ids.shape == (3, 8) and [len(p) for p in batch.parents] == [8, 8, 5]
+    allowed = batch.attention_bias(torch.float32)[2, 0] == 0  # padding attends to itself only
+    assert allowed[5:, :].int().tolist() == torch.eye(8, dtype=torch.int)[5:].tolist()
+    assert batch.term_rows.tolist() == [0, 1, 2]
+
+
+def test_a_sequence_longer_than_the_budget_gets_a_row_of_its_own() -> None:
+    batches = pack([_tiny(10, 1.0), _tiny(3, -1.0)], 4)
+    assert sorted(b.token_ids.shape[1] for b in batches) == [3, 10]
