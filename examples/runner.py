@@ -215,7 +215,7 @@ async def train(example: Example, args: argparse.Namespace) -> None:
                 max_exceptions=0.1, after_each=after_each, progress=False)
             result = await model.train(groups, TrainConfig(learning_rate=args.learning_rate,
                                                            temperature=args.temperature))
-            print(step_line(example, result.step, args.steps, result.metrics, len(groups) + len(groups.dropped)),
+            print(step_line(example, step + 1, args.steps, result.metrics, len(groups) + len(groups.dropped)),
                   flush=True)
         final_step = await model.get_step()
         trained = await held_out_score(example, model, final_step, held_out, args.max_tokens, "trained policy")
