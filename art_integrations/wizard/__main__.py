@@ -1,0 +1,5 @@
+import sys
+
+from art_integrations.wizard.cli import main
+
+sys.exit(main())
