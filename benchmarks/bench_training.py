@@ -47,6 +47,7 @@ from transformers.utils import logging as hf_logging
 
 from art_backend.config import BackendSettings
 from art_backend.model_store import embedded_model_dir
+from art_backend.training.packing import padded_batches
 from art_backend.training.service import step_sequences
 from art_backend.training.tokenize import TokenizeStats, TrainSequence
 from art_backend.training.trainer import LoraTrainer
@@ -95,7 +96,7 @@ class PlainLoop:
         total = sum(s.weight * sum(s.assistant_mask) for s in sequences)
         loss_sum = 0.0
         self.model.train()
-        for batch in padded_batches(sequences):
+        for batch in padded_batches(sequences, len, MICRO_BATCH_TOKENS):
             length = len(batch[0])
             ids = torch.tensor([s.token_ids + [0] * (length - len(s)) for s in batch])
             attention = torch.tensor([[1] * len(s) + [0] * (length - len(s)) for s in batch])
@@ -112,17 +113,6 @@ class PlainLoop:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
         return {"loss": loss_sum, "grad_norm": float(grad_norm)}
-
-
-def padded_batches(sequences: list[TrainSequence]) -> list[list[TrainSequence]]:
-    """Longest first, as many per batch as fit MICRO_BATCH_TOKENS padded tokens."""
-    batches: list[list[TrainSequence]] = []
-    for sequence in sorted(sequences, key=len, reverse=True):
-        if batches and len(batches[-1][0]) * (len(batches[-1]) + 1) <= MICRO_BATCH_TOKENS:
-            batches[-1].append(sequence)
-        else:
-            batches.append([sequence])
-    return batches
 
 
 def trl_note() -> str:

@@ -28,7 +28,6 @@ class Question:
     default: Callable[[dict[str, Any]], Any]  # from the answers so far
     check: Callable[[str], Any]
     applies: Callable[[dict[str, Any]], bool] = lambda answers: True
-    help: str = ""
 
     @property
     def flag(self) -> str:
@@ -163,9 +162,9 @@ def agent_factory(value: str) -> str:
                          "chat model (LangChain) or LLM (LlamaIndex) and returns the agent")
     module = value.split(":")[0]
     try:
-        found = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        found = None
+        found = importlib.util.find_spec(module)  # imports the parent packages, which may fail
+    except (ImportError, ValueError) as error:
+        raise ValueError(f"module {module!r} cannot be looked up from here: {type(error).__name__}: {error}") from None
     if found is None:
         raise ValueError(f"module {module!r} is not found from here: run the wizard where the script will run, "
                          "or give the module as Python imports it")

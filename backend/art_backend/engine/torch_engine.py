@@ -508,11 +508,13 @@ class TorchEngine:
 
     def _accept(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
         """Sample one token for each of `seqs`, update their text, send deltas, retire the finished."""
-        for row, seq in enumerate(seqs):
-            if seq.penalties is not None:
-                seq.penalties.apply(logits[row])
-        broken = [seq for seq, finite in zip(seqs, torch.isfinite(logits.amax(dim=-1)).tolist()) if not finite]
-        for seq in broken:  # a NaN or +inf logit, from extreme penalties: this request fails alone
+        penalized = [row for row, seq in enumerate(seqs) if seq.penalties is not None]
+        for row in penalized:
+            seqs[row].penalties.apply(logits[row])  # type: ignore[union-attr]
+        # only penalties can make logits NaN or +inf; such a request fails alone
+        finite = torch.isfinite(logits[penalized].amax(dim=-1)).tolist() if penalized else []
+        broken = [seqs[row] for row, ok in zip(penalized, finite) if not ok]
+        for seq in broken:
             if not seq.request.aborted:
                 params = seq.request.spec.params
                 self._send(seq.request, InvalidSamplingError(

@@ -23,12 +23,16 @@ the token budget:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 from art_backend.training.tokenize import TrainSequence
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -138,13 +142,19 @@ def pack(sequences: list[TrainSequence], max_tokens: int) -> list[PackedBatch]:
             new = len(tokens)
         trees[-1].size += new
         trees[-1].members.append((i, _insert(trees[-1].root, tokens)))
-    batches: list[list[_Tree]] = []
-    for tree in sorted(trees, key=lambda t: t.size, reverse=True):
-        if batches and batches[-1][0].size * (len(batches[-1]) + 1) <= max_tokens:
-            batches[-1].append(tree)
+    return [_flatten(batch, sequences) for batch in padded_batches(trees, lambda t: t.size, max_tokens)]
+
+
+def padded_batches(items: list[T], length: Callable[[T], int], budget: int) -> list[list[T]]:
+    """`items` longest first, as many per batch as fit `budget` tokens once each is padded to its
+    batch's first (longest); a longer item gets a batch of its own."""
+    batches: list[list[T]] = []
+    for item in sorted(items, key=length, reverse=True):
+        if batches and length(batches[-1][0]) * (len(batches[-1]) + 1) <= budget:
+            batches[-1].append(item)
         else:
-            batches.append([tree])
-    return [_flatten(batch, sequences) for batch in batches]
+            batches.append([item])
+    return batches
 
 
 def _flatten(trees: list[_Tree], sequences: list[TrainSequence]) -> PackedBatch:

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from art_backend.kill_points import kill_point
 from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.loss import LossConfig, LossTerms, policy_loss
-from art_backend.training.packing import PackedBatch, pack
+from art_backend.training.packing import PackedBatch, pack, padded_batches
 from art_backend.training.tokenize import TrainSequence
 from art_integrations.training import LoraConfig, TrainConfig
 
@@ -71,17 +71,6 @@ def loss_config(config: TrainConfig) -> LossConfig:
     epsilon_high = config.epsilon_high if config.epsilon_high is not None else (
         4.0 if config.loss == "cispo" else epsilon)
     return LossConfig(config.loss, epsilon, epsilon_high, config.beta)
-
-
-def _micro_batches(sequences: list[TrainSequence], budget: int) -> list[list[TrainSequence]]:
-    """Group sequences (longest first) so each padded batch stays within `budget` tokens."""
-    batches: list[list[TrainSequence]] = []
-    for seq in sorted(sequences, key=len, reverse=True):
-        if batches and len(batches[-1][0]) * (len(batches[-1]) + 1) <= budget:
-            batches[-1].append(seq)
-        else:
-            batches.append([seq])
-    return batches
 
 
 class LoraTrainer:
@@ -154,7 +143,7 @@ class LoraTrainer:
         total_weight = sum(s.weight * sum(s.assistant_mask) for s in sequences)
         sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clipped_fraction": 0.0, "entropy": 0.0}
         batches = (pack(sequences, config.micro_batch_tokens) if self.packing
-                   else _micro_batches(sequences, config.micro_batch_tokens))
+                   else padded_batches(sequences, len, config.micro_batch_tokens))
         for batch in batches:
             if isinstance(batch, PackedBatch):
                 terms, entropy = self._packed_backward(batch, config, losses, total_weight)
