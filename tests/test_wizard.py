@@ -61,9 +61,10 @@ def test_every_pattern_and_reward_writes_a_script_that_trains_a_step(tmp_path: P
     if reward == "programmatic":  # edited as its user would: the tiny model never names a capital
         text = script.read_text()
         check = '    answer, last = scenario.get("answer"), (replies[-1] if replies else "")\n'
-        assert check in text
-        script.write_text(text.replace(check, '    return len("".join(replies)) % 10 / 10  # a reward that varies\n'
-                                       + check))
+        assert check in text and text.count("\ndef reward(") == 1
+        # random, not read from the replies: two rollouts that both stop at max_tokens can read alike
+        text = text.replace("\ndef reward(", "\nimport random\n\n\ndef reward(")
+        script.write_text(text.replace(check, "    return random.random()  # a reward that varies\n" + check))
     run = subprocess.run([sys.executable, "train.py"], capture_output=True, text=True, cwd=tmp_path, env=_env(),
                          timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
