@@ -6,11 +6,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
+ART_VENV ?= .venv-art
 TORCH_VERSION ?= 2.13.0
 # The engine contract tests: each runs on the torch engine (in .venv) and on the vLLM engine (in .venv-vllm).
 ENGINE_TESTS := tests/test_openai_api.py tests/test_engines.py tests/test_training_backend.py tests/test_grpo_learns.py
 
-.PHONY: setup setup-vllm browser run smoke test bench-serving bench-vllm-serving bench-lora-serving bench-training bench-capture clean
+.PHONY: setup setup-vllm setup-art browser run smoke test bench-serving bench-vllm-serving bench-lora-serving bench-training bench-capture clean
 
 # $(call new_venv,DIR,PACKAGES): a venv at DIR with the pinned CPU torch, the embedded model and PACKAGES.
 define new_venv
@@ -44,6 +45,16 @@ $(VLLM_BIN)/.installed: pyproject.toml backend/pyproject.toml Makefile
 
 setup-vllm: $(VLLM_BIN)/.installed
 
+# OpenPipe's ART itself, for the test that our trajectory data loads in its models and theirs in ours
+# (tests/test_art_compat.py); a venv of its own, since it pins its own versions of our dependencies.
+$(ART_VENV)/bin/.installed: Makefile
+	$(PYTHON) -m venv $(ART_VENV)
+	$(ART_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(ART_VENV)/bin/python -m pip install --quiet openpipe-art==0.5.18
+	touch $@
+
+setup-art: $(ART_VENV)/bin/.installed
+
 # Debian's Chromium, for the trajectory viewer's browser test; where it cannot be installed
 # (no apt, not root) that one test is skipped and says why.
 browser:
@@ -58,7 +69,7 @@ run: setup
 smoke: setup
 	$(BIN)/python examples/smoke.py
 
-test: setup setup-vllm browser
+test: setup setup-vllm setup-art browser
 	$(BIN)/python -m pytest -m "not vllm"
 	$(VLLM_BIN)/python -m pytest -m vllm $(ENGINE_TESTS)
 
@@ -81,4 +92,4 @@ bench-capture: setup
 	$(BIN)/python benchmarks/bench_capture.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(ART_VENV)

@@ -13,10 +13,15 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from openai import AsyncOpenAI
+
+if TYPE_CHECKING:
+    from art_integrations.model import TrainableModel, TrainResult
+    from art_integrations.training import TrainConfig
+    from art_integrations.trajectory import TrajectoryGroup
 
 
 ENGINES = ("auto", "torch", "vllm")
@@ -40,6 +45,11 @@ class Backend:
     def openai_client(self, **kwargs: Any) -> AsyncOpenAI:
         return AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused", **kwargs)
 
+    def __reduce__(self) -> tuple[type[RemoteBackend], tuple[str, str | None, float | None]]:
+        # Pickled (a rollout sent to a Ray worker), any backend arrives as a client of the same
+        # server: its connections, and a LocalBackend's server, stay with the process that made them.
+        return RemoteBackend, (self.base_url, self.api_key, self._http.timeout.read)
+
     async def request(self, method: str, path: str, json: Any = None) -> Any:
         try:
             response = await self._http.request(method, path, json=json)
@@ -57,6 +67,23 @@ class Backend:
                 message = response.text
             raise BackendError(f"{method} {path} failed ({response.status_code}): {message}")
         return response.json()
+
+    async def train(self, model: TrainableModel, groups: list[TrajectoryGroup], *, config: TrainConfig | None = None,
+                    **settings: Any) -> TrainResult:
+        """ART's current call style: `await backend.train(model, groups, learning_rate=1e-5)`, the
+        same step as `model.train(groups, TrainConfig(...))`; each setting is a TrainConfig field
+        (one it does not know is refused by name)."""
+        from art_integrations.model import TrainableModel  # here: model.py imports this module
+        from art_integrations.training import TrainConfig
+
+        if not isinstance(model, TrainableModel):
+            raise TypeError(f"backend.train trains a TrainableModel, not {type(model).__name__}")
+        if config is not None and settings:
+            raise TypeError("pass the settings as config=TrainConfig(...) or as keywords, not both")
+        if model._backend is not self:
+            raise RuntimeError(f"Model {model.name!r} is not registered with this backend: "
+                               "call `await model.register(backend)` first.")
+        return await model.train(groups, config or TrainConfig(**settings))
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -86,16 +113,20 @@ class LocalBackend(Backend):
     `engine`: "torch", "vllm" or "auto" (the default, or `ART_BACKEND_ENGINE`: vLLM where a CUDA GPU
     and vLLM are present, else the embedded torch engine). The vLLM engine starts processes of its
     own: a script that starts it belongs under `if __name__ == "__main__":`.
-    `art_dir`: where checkpoints, metrics and trajectories are written (default `.art`).
+    `art_dir` (ART's `path`): where checkpoints, metrics and trajectories are written (default `.art`).
     `log_file`: with `in_process=False`, where the child's output goes (default: this process's).
     Every other backend setting is read from its `ART_BACKEND_*` environment variable.
     """
 
     def __init__(self, *, in_process: bool = True, model: str | None = None, engine: str | None = None,
                  art_dir: str | Path = ".art", port: int | None = None, startup_timeout: float = 600.0,
-                 log_file: str | Path | None = None) -> None:
+                 log_file: str | Path | None = None, path: str | Path | None = None) -> None:
         if engine not in (None, *ENGINES):
             raise ValueError(f"engine={engine!r}: use one of {', '.join(map(repr, ENGINES))}.")
+        if path is not None:  # ART's name for the art dir
+            if art_dir != ".art" and Path(art_dir) != Path(path):
+                raise ValueError(f"art_dir={str(art_dir)!r} and path={str(path)!r} name the same thing: pass one")
+            art_dir = path
         port = port or _free_port()
         super().__init__(f"http://127.0.0.1:{port}")
         self._process: subprocess.Popen[bytes] | None = None

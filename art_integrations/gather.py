@@ -4,9 +4,11 @@
         [trajectory_group(lambda: rollout(scenario), n=8, scenario=scenario.id) for scenario in scenarios],
         max_concurrency=32, max_exceptions=0.1, after_each=score_group)
 
-A failed rollout is kept: its traceback goes into its group's `exceptions`. Past the budget
-(`max_exceptions`: a count, or a fraction of all rollouts) the remaining rollouts are
-cancelled and `TooManyRolloutErrors` says which failed and why.
+A failed rollout (one that raised, or returned something else than a Trajectory) is kept:
+its traceback goes into its group's `exceptions`. Past the budget (`max_exceptions`: a count,
+or a fraction of all rollouts) the remaining rollouts are cancelled and `TooManyRolloutErrors`
+says which failed and why. ART's style works too: `TrajectoryGroup(rollout(s) for _ in range(8))`
+(awaitables, not started) in place of `trajectory_group(...)`, and `pbar_desc=` for `desc=`.
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from art_integrations.capture import CaptureScope, deferred_token_fetch, fetch_tokens
-from art_integrations.trajectory import Trajectory, TrajectoryGroup
+from art_integrations.trajectory import NotATrajectoryError, PendingGroup, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from art_integrations.observability.langfuse import StepExport
 
 logger = logging.getLogger(__name__)
 
-AfterEach = Callable[[TrajectoryGroup], "Awaitable[TrajectoryGroup | None] | TrajectoryGroup | None"]
+AfterEach = Callable[[TrajectoryGroup], Any]  # -> TrajectoryGroup, a list of them, or None; or an awaitable of one
 
 
 class TooManyRolloutErrors(RuntimeError):
@@ -60,36 +62,99 @@ def trajectory_group(rollout: Callable[[], Awaitable[Trajectory]], n: int, **met
     return RolloutGroup(rollout, n, metadata)
 
 
+class StartedRollouts:
+    """The rollout of a group made of awaitables (ART's `TrajectoryGroup(coroutines)`): each call
+    hands out the next one. They exist already, so they run in this process only."""
+
+    def __init__(self, rollouts: list[Awaitable[Trajectory]]) -> None:
+        self.waiting = list(reversed(rollouts))
+
+    def __call__(self) -> Awaitable[Trajectory]:
+        return self.waiting.pop()
+
+    def close(self) -> None:
+        """Close the ones never run (a cancelled gather), which Python would warn about."""
+        for rollout in self.waiting:
+            if inspect.iscoroutine(rollout):
+                rollout.close()
+        self.waiting.clear()
+
+
+def _groups_of(outcome: Any) -> list[TrajectoryGroup]:
+    """What `after_each` returned, as the groups to keep."""
+    groups = [] if outcome is None else outcome if isinstance(outcome, list) else [outcome]
+    for group in groups:
+        if not isinstance(group, TrajectoryGroup):
+            raise TypeError(f"after_each returned {type(group).__name__}: return the group, a list of groups, "
+                            "or None to drop it")
+    return groups
+
+
+def _rollout_group(item: RolloutGroup | PendingGroup) -> RolloutGroup:
+    if isinstance(item, RolloutGroup):
+        return item
+    if isinstance(item, PendingGroup):
+        if set(item.fields) - {"metadata"}:
+            raise TypeError(f"a pending TrajectoryGroup takes only metadata= beside its rollouts, not "
+                            f"{', '.join(sorted(set(item.fields) - {'metadata'}))}")
+        return RolloutGroup(StartedRollouts(item.rollouts), len(item.rollouts), dict(item.fields.get("metadata", {})))
+    raise TypeError(f"gather_trajectory_groups takes groups of rollouts not run yet: trajectory_group(rollout, n) or "
+                    f"TrajectoryGroup(rollout(...) for _ in range(n)), not {type(item).__name__}")
+
+
 def completion_tokens(trajectory: Trajectory) -> int:
     return sum(len(c.token_ids or []) for h in trajectory.histories() for c in h.choices())
 
 
-async def gather_trajectories(rollout: Callable[[], Awaitable[Trajectory]], n: int,
-                              **metadata: Any) -> TrajectoryGroup:
-    """Run one group of `n` rollouts of the same scenario."""
-    return (await gather_trajectory_groups([trajectory_group(rollout, n, **metadata)], progress=False))[0]
+async def gather_trajectories(rollout: Callable[[], Awaitable[Trajectory]] | Iterable[Awaitable[Trajectory]],
+                              n: int | None = None, *, pbar_desc: str | None = None, max_exceptions: int | float = 0,
+                              **metadata: Any) -> Any:
+    """Run one group of `n` rollouts of the same scenario: `gather_trajectories(rollout, n)` gives
+    the TrajectoryGroup. ART's form, awaitables not started (`gather_trajectories(rollout(s) for s
+    in scenarios, pbar_desc="val")`), gives the list of trajectories, failures left out (counted
+    against `max_exceptions`, their tracebacks logged)."""
+    if callable(rollout):
+        if n is None:
+            raise TypeError("gather_trajectories(rollout, n): say how many rollouts to run")
+        spec = trajectory_group(rollout, n, **metadata)
+        return (await gather_trajectory_groups([spec], progress=pbar_desc is not None, desc=pbar_desc or "gather",
+                                               max_exceptions=max_exceptions))[0]
+    if n is not None or metadata:
+        raise TypeError("gather_trajectories(awaitables) takes no n or metadata: each awaitable is one rollout")
+    group = (await gather_trajectory_groups([PendingGroup(list(rollout), {})], desc=pbar_desc or "gather",
+                                            max_exceptions=max_exceptions))[0]
+    for failure in group.exceptions:
+        logger.warning("a rollout failed and is left out:\n%s", failure)
+    return group.trajectories
 
 
 async def gather_trajectory_groups(
-    groups: Iterable[RolloutGroup],
+    groups: Iterable[RolloutGroup | PendingGroup],
     *,
     max_concurrency: int | None = None,
     max_exceptions: int | float = 0,
     after_each: AfterEach | None = None,
     progress: bool = True,
     desc: str = "gather",
+    pbar_desc: str | None = None,
     langfuse: StepExport | None = None,
 ) -> GatheredGroups:
     """Run every rollout of every group (at most `max_concurrency` at once) and return the
     groups in order. `after_each(group)` runs as each group completes (e.g. RULER scoring); it
     may change the group, return a replacement, or return None to drop it (logged).
-    `langfuse=exporter.for_step(model, step)` sends each kept group, scored, to Langfuse."""
-    specs = list(groups)
+    `langfuse=exporter.for_step(model, step)` sends each kept group, scored, to Langfuse.
+    `pbar_desc`: ART's name for `desc`."""
+    if pbar_desc is not None:
+        if desc != "gather" and desc != pbar_desc:
+            raise TypeError(f"desc={desc!r} and pbar_desc={pbar_desc!r} name the same thing: pass one")
+        desc = pbar_desc
+    specs = [_rollout_group(item) for item in groups]
     total = sum(spec.n for spec in specs)
     budget = max_exceptions if isinstance(max_exceptions, int) else int(max_exceptions * total)
     limit = asyncio.Semaphore(max_concurrency or total or 1)
     gathered = [TrajectoryGroup(metadata=dict(spec.metadata)) for spec in specs]
-    results: list[TrajectoryGroup | None] = list(gathered)  # after_each may replace or drop (None) a group
+    # after_each may replace a group, split it (a list, as ART allows) or drop it (None)
+    results: list[list[TrajectoryGroup]] = [[group] for group in gathered]
     dropped: list[dict[str, Any]] = []
     failures: list[str] = []
     bar = tqdm(total=total, desc=desc, disable=not progress, unit="rollout")
@@ -106,6 +171,8 @@ async def gather_trajectory_groups(
             try:
                 with deferred_token_fetch(pending[index]):
                     trajectory = await spec.rollout()
+                if not isinstance(trajectory, Trajectory):
+                    raise NotATrajectoryError.of(trajectory)
             except asyncio.CancelledError:
                 raise
             except Exception as error:
@@ -117,8 +184,6 @@ async def gather_trajectory_groups(
                         f"{len(failures)} of {total} rollouts failed, over max_exceptions={max_exceptions}. "
                         f"First failure:\n{failures[0]}") from error
             else:
-                if not isinstance(trajectory, Trajectory):
-                    raise TypeError(f"a rollout returned {type(trajectory).__name__}, not a Trajectory")
                 gathered[index].trajectories.append(trajectory)
                 rewards.append(trajectory.reward)
             finally:
@@ -142,9 +207,10 @@ async def gather_trajectory_groups(
                 logger.warning("after_each dropped group %d (%s): %s", index, group.metadata, reason)
                 dropped.append({"group": index, "metadata": group.metadata, "reason": reason,
                                 "trajectories": len(group.trajectories)})
-            results[index] = outcome
-        if langfuse is not None and results[index] is not None:
-            langfuse.export_group(results[index], index)
+            results[index] = _groups_of(outcome)
+        if langfuse is not None:
+            for kept in results[index]:
+                langfuse.export_group(kept, index)
 
     tasks = [asyncio.ensure_future(run_group(i, spec)) for i, spec in enumerate(specs)]
     try:
@@ -156,7 +222,10 @@ async def gather_trajectory_groups(
         raise
     finally:
         bar.close()
-    kept = GatheredGroups(group for group in results if group is not None)
+        for spec in specs:
+            if isinstance(spec.rollout, StartedRollouts):
+                spec.rollout.close()
+    kept = GatheredGroups(group for groups_of_one in results for group in groups_of_one)
     kept.dropped = dropped
     langfuse_report = await asyncio.to_thread(langfuse.flush) if langfuse is not None else None
     if progress:

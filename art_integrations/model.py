@@ -1,15 +1,16 @@
-"""`TrainableModel`: a LoRA policy trained and served by a backend."""
+"""`TrainableModel`: a LoRA policy trained and served by a backend; `Model`: one only scored beside it."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from openai import AsyncOpenAI
 from pydantic import BaseModel, Field, PrivateAttr
 
 from art_integrations.backend import Backend
 from art_integrations.observability.wandb import WandbReporter, reporter_for
+from art_integrations.strict import StrictModel
 from art_integrations.training import LoraConfig, TrainConfig
 from art_integrations.trajectory import TrajectoryGroup
 
@@ -19,29 +20,47 @@ class TrainResult(BaseModel):
     metrics: dict[str, Any]
 
 
-class TrainableModel(BaseModel):
-    """A model trained with GRPO: `name` is served as the newest policy, `name@N` as step N."""
+class Model(StrictModel):
+    """A model rolled out and scored beside the trained one (ART's `art.Model`): a prompted model at
+    any OpenAI-compatible endpoint (`inference_base_url`, `inference_api_key`,
+    `inference_model_name`). Registered with a backend, `log()` records its scores in the same
+    history, so curves compare."""
+
+    ART_NAMES: ClassVar[dict[str, str]] = {
+        "entity": "the W&B entity comes from WANDB_ENTITY",
+        "id": "a run is named by `project` and `name`",
+        "config": "keep run settings in your script or W&B",
+        "trainable": "use art_integrations.TrainableModel to train, Model to only score",
+        "base_path": "the art dir belongs to the backend: LocalBackend(art_dir=...) or `art-backend serve --art-dir`",
+        "_internal_config": "engine and trainer settings belong to the backend (`art-backend serve --help`, "
+                            "ART_BACKEND_* variables); the adapter's shape is lora=LoraConfig(...)",
+    }
 
     name: str
     project: str
-    base_model: str | None = None  # None: whatever the backend serves
-    lora: LoraConfig = Field(default_factory=LoraConfig)
+    inference_model_name: str | None = None  # None: `name`
+    inference_base_url: str | None = None
+    inference_api_key: str | None = None
     # ["wandb"]: log each step's metrics to W&B; None: only if WANDB_API_KEY or WANDB_MODE is set
     report_metrics: list[Literal["wandb"]] | None = None
     _backend: Backend | None = PrivateAttr(default=None)
     _reporter: WandbReporter | None = PrivateAttr(default=None)
 
-    async def register(self, backend: Backend, *, fall_back: bool = False) -> None:
-        """Attach to `backend`; a model trained before resumes from its newest checkpoint. If that
-        checkpoint does not load (damaged on disk), registering fails and says what is wrong;
-        `fall_back=True` then moves the damaged steps aside (kept on disk) and resumes from the
-        newest step that loads."""
-        answer = await backend.request("POST", "/v1/training/models", {
-            "project": self.project, "name": self.name, "base_model": self.base_model,
-            "lora": self.lora.model_dump(), "fall_back": fall_back})
-        self.base_model = answer["base_model"]
+    async def register(self, backend: Backend) -> None:
+        """Record this model's logged scores on `backend` (nothing is served or trained for it)."""
+        await backend.request("POST", "/v1/training/models", {"project": self.project, "name": self.name,
+                                                              "trainable": False})
+        self._attach(backend)
+
+    def _attach(self, backend: Backend) -> None:
         self._backend = backend
         self._reporter = self._reporter or reporter_for(self)
+
+    def __getstate__(self) -> dict[Any, Any]:
+        # Pickled (a rollout sent to a Ray worker), the model keeps its backend (which travels as its
+        # URL and key) but not its W&B reporter: the run that reports metrics is this process's.
+        state = super().__getstate__()
+        return {**state, "__pydantic_private__": {**(state["__pydantic_private__"] or {}), "_reporter": None}}
 
     @property
     def metrics_reporter(self) -> WandbReporter | None:
@@ -60,30 +79,23 @@ class TrainableModel(BaseModel):
 
     @property
     def inference_name(self) -> str:
-        return self.name
+        return self.inference_model_name or self.name
 
     def get_inference_name(self, step: int | None = None) -> str:
-        return self.name if step is None else f"{self.name}@{step}"
+        return self.inference_name
 
     def openai_client(self, **kwargs: Any) -> AsyncOpenAI:
-        """An `AsyncOpenAI` pointed at the backend; use `model=model.inference_name`."""
-        return self.backend.openai_client(**kwargs)
+        """An `AsyncOpenAI` at `inference_base_url`; use `model=model.get_inference_name()`."""
+        if self.inference_base_url is None:
+            raise RuntimeError(f"Model {self.name!r} has no inference_base_url: set it to the endpoint that serves "
+                               f"{self.inference_name!r}.")
+        return AsyncOpenAI(base_url=self.inference_base_url, api_key=self.inference_api_key or "unused", **kwargs)
 
     def _path(self, action: str) -> str:
         return f"/v1/training/models/{self.project}/{self.name}/{action}"
 
     async def get_step(self) -> int:
         return (await self.backend.request("GET", self._path("step")))["step"]
-
-    async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | None = None) -> TrainResult:
-        """One GRPO step on `groups`; the new checkpoint is served before this returns. Groups that
-        `gather_trajectory_groups` dropped are counted in the step's metrics, with their reasons."""
-        body = {"groups": [g.model_dump(mode="json") for g in groups],
-                "config": (config or TrainConfig()).model_dump(),
-                "dropped": [d["reason"] for d in getattr(groups, "dropped", [])]}
-        result = TrainResult.model_validate(await self.backend.request("POST", self._path("train"), body))
-        await self._report(result.step, "train", result.metrics)
-        return result
 
     async def log(self, groups: list[TrajectoryGroup], split: str = "val") -> dict[str, Any]:
         """Record metrics and trajectories of `groups` at the current step without training."""
@@ -95,7 +107,59 @@ class TrainableModel(BaseModel):
     async def history(self) -> list[dict[str, Any]]:
         return await self.backend.request("GET", self._path("history"))
 
-    async def delete_checkpoints(self, best_metric: str = "reward/mean", best_split: str = "val") -> dict[str, Any]:
-        """Delete all checkpoints except the latest and the best by `best_metric` in `best_split`."""
+
+class TrainableModel(Model):
+    """A model trained with GRPO: `name` is served as the newest policy, `name@N` as step N. Once
+    registered, `inference_base_url`, `inference_api_key` and `inference_model_name` point at
+    the backend, as in ART."""
+
+    base_model: str | None = None  # None: whatever the backend serves
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+    async def register(self, backend: Backend, *, fall_back: bool = False) -> None:
+        """Attach to `backend`; a model trained before resumes from its newest checkpoint. If that
+        checkpoint does not load (damaged on disk), registering fails and says what is wrong;
+        `fall_back=True` then moves the damaged steps aside (kept on disk) and resumes from the
+        newest step that loads."""
+        answer = await backend.request("POST", "/v1/training/models", {
+            "project": self.project, "name": self.name, "base_model": self.base_model,
+            "lora": self.lora.model_dump(), "fall_back": fall_back})
+        self.base_model = answer["base_model"]
+        self.inference_base_url = f"{backend.base_url}/v1"
+        self.inference_api_key = backend.api_key or "unused"
+        self.inference_model_name = self.name
+        self._attach(backend)
+
+    @property
+    def inference_name(self) -> str:
+        return self.name
+
+    def get_inference_name(self, step: int | None = None) -> str:
+        return self.name if step is None else f"{self.name}@{step}"
+
+    def openai_client(self, **kwargs: Any) -> AsyncOpenAI:
+        """An `AsyncOpenAI` pointed at the backend; use `model=model.inference_name`."""
+        return self.backend.openai_client(**kwargs)
+
+    async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | None = None) -> TrainResult:
+        """One GRPO step on `groups`; the new checkpoint is served before this returns. Groups that
+        `gather_trajectory_groups` dropped are counted in the step's metrics, with their reasons."""
+        body = {"groups": [g.model_dump(mode="json") for g in groups],
+                "config": (config or TrainConfig()).model_dump(),
+                "dropped": [d["reason"] for d in getattr(groups, "dropped", [])]}
+        result = TrainResult.model_validate(await self.backend.request("POST", self._path("train"), body))
+        await self._report(result.step, "train", result.metrics)
+        return result
+
+    async def delete_checkpoints(self, best_metric: str = "reward/mean", best_split: str = "val", *,
+                                 best_checkpoint_metric: str | None = None) -> dict[str, Any]:
+        """Delete all checkpoints except the latest and the best by `best_metric` in `best_split`.
+        ART's `best_checkpoint_metric="val/reward"` names both at once (its `reward` is our `reward/mean`)."""
+        if best_checkpoint_metric is not None:
+            best_split, _, best_metric = best_checkpoint_metric.partition("/")
+            if not best_metric:
+                raise ValueError(f"best_checkpoint_metric={best_checkpoint_metric!r}: name it as split/metric, "
+                                 "e.g. 'val/reward'")
+            best_metric = "reward/mean" if best_metric == "reward" else best_metric
         return await self.backend.request("POST", self._path("delete_checkpoints"),
                                           {"best_metric": best_metric, "best_split": best_split})

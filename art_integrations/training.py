@@ -4,12 +4,24 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from art_integrations.strict import StrictModel
 
 
-class TrainConfig(BaseModel):
+class TrainConfig(StrictModel):
     # strict: a setting of the wrong type (`scale_rewards=0`, `learning_rate="1e-5"`) is refused, not guessed at
     model_config = ConfigDict(strict=True)
+    ART_NAMES = {  # ART's TrainConfig and backend.train() settings named differently here, or not here
+        "kl_penalty_coef": "the nearest is `beta`, a KL-to-base term in the loss (ART adjusts advantages instead)",
+        "loss_fn": "ours is `loss` (\"cispo\" or \"ppo\")",
+        "normalize_advantages": "ours is `scale_rewards` (divide advantages by the group's reward std)",
+        "grad_accumulation_sequences": "ours is `micro_batch_tokens` (tokens per forward/backward pass)",
+        "packed_sequence_length": "ours is `micro_batch_tokens` (groups are always packed as prefix trees)",
+        "precalculate_logprobs": "not needed: the rollout's own logprobs are used where they came with it",
+        "allow_training_without_logprobs": "always so here: a turn without logprobs trains with importance ratio 1",
+        "save_checkpoint": "every step is saved and served as `<name>@<step>`",
+    }
 
     learning_rate: float = Field(default=1e-5, gt=0)
     loss: Literal["cispo", "ppo"] = "cispo"
@@ -25,7 +37,7 @@ class TrainConfig(BaseModel):
     max_sequence_length: int = Field(default=4096, ge=16)
 
 
-class LoraConfig(BaseModel):
+class LoraConfig(StrictModel):
     """The adapter trained for a model; fixed at its first step."""
 
     model_config = ConfigDict(strict=True)

@@ -225,9 +225,15 @@ async def test_handler_on_a_plain_chat_openai(tiny_server: ServerThread) -> None
     assert trajectory.choices()[0].message["tool_calls"]
 
     plain = ChatOpenAI(model="tiny-random-smollm2", base_url=f"{tiny_server.base_url}/v1", api_key="unused",
-                       max_tokens=4)  # without return_token_ids: the gap is reported, not hidden
-    with art_capture() as missing:
+                       max_tokens=4)  # no setting at all: art-backend sends the token ids unasked
+    with art_capture() as unasked:
         plain.invoke("hi", config={"callbacks": [handler]})
+    assert unasked.choices()[0].token_ids and "capture_errors" not in unasked.metrics
+
+    refused = ChatOpenAI(model="tiny-random-smollm2", base_url=f"{tiny_server.base_url}/v1", api_key="unused",
+                         max_tokens=4, extra_body={"return_token_ids": False})  # the gap is reported, not hidden
+    with art_capture() as missing:
+        refused.invoke("hi", config={"callbacks": [handler]})
     assert missing.metrics["capture_errors"] == 1 and "return_token_ids" in missing.logs[0]
 
 

@@ -238,9 +238,16 @@ async def test_handler_on_a_plain_openai_like(tiny_server: ServerThread, clean_d
     assert trajectory.choices()[0].message["tool_calls"]
 
     plain = OpenAILike(model="tiny-random-smollm2", api_base=f"{tiny_server.base_url}/v1", api_key="unused",
-                       is_chat_model=True, max_tokens=4)  # without return_token_ids: the gap is reported
-    with art_capture() as missing:
+                       is_chat_model=True, max_tokens=4)  # no setting at all: art-backend sends the token ids unasked
+    with art_capture() as unasked:
         plain.chat([ChatMessage(role="user", content="hi")])
+    assert unasked.choices()[0].token_ids and "capture_errors" not in unasked.metrics
+
+    refused = OpenAILike(model="tiny-random-smollm2", api_base=f"{tiny_server.base_url}/v1", api_key="unused",
+                         is_chat_model=True, max_tokens=4,
+                         additional_kwargs={"extra_body": {"return_token_ids": False}})  # the gap is reported
+    with art_capture() as missing:
+        refused.chat([ChatMessage(role="user", content="hi")])
     assert missing.metrics["capture_errors"] == 1 and "return_token_ids" in missing.logs[0]
 
 

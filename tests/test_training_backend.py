@@ -58,8 +58,18 @@ async def test_train_writes_a_checkpoint_serves_it_and_resumes_after_restart(tmp
                                                      max_tokens=4, temperature=0, logprobs=True)
         assert base.choices[0].logprobs.content[0].logprob != tuned.choices[0].logprobs.content[0].logprob
 
+        # a step without signal is still a step: recorded, served, the adapter unchanged
         nothing = await model.train([groups[1]])
-        assert nothing.step == 1 and nothing.metrics["trained"] is False and "equal rewards" in nothing.metrics["note"]
+        assert nothing.step == 2 and nothing.metrics["trained"] is False and "equal rewards" in nothing.metrics["note"]
+        assert nothing.metrics["groups/trained"] == 0 and nothing.metrics["reward/mean"] == 1.0
+        history = [json.loads(line) for line in (directory / "history.jsonl").read_text().splitlines()]
+        assert history[-1]["step"] == 2 and history[-1]["groups/trained"] == 0
+        same = await client.chat.completions.create(model="agent@2", messages=[{"role": "user", "content": "x"}],
+                                                    max_tokens=4, temperature=0, logprobs=True)
+        assert [t.logprob for t in same.choices[0].logprobs.content] == pytest.approx(
+            [t.logprob for t in tuned.choices[0].logprobs.content], abs=1e-5)
+        for name in ("adapter_model.safetensors", "optimizer.pt"):
+            assert (directory / "checkpoints" / "0002" / name).stat().st_size == (checkpoint / name).stat().st_size
 
         val = await model.log(groups, split="val")
         assert val["reward/mean"] == pytest.approx(4.5 / 6)
@@ -70,7 +80,7 @@ async def test_train_writes_a_checkpoint_serves_it_and_resumes_after_restart(tmp
     try:
         model = TrainableModel(name="agent", project="demo")
         await model.register(restarted)
-        assert await model.get_step() == 1
+        assert await model.get_step() == 2
         again = await model.openai_client().chat.completions.create(  # every step is served again, unchanged
             model="agent@1", messages=[{"role": "user", "content": "x"}], max_tokens=4, temperature=0, logprobs=True)
         assert again.choices[0].logprobs.content[0].logprob == pytest.approx(
@@ -78,14 +88,14 @@ async def test_train_writes_a_checkpoint_serves_it_and_resumes_after_restart(tmp
         gathered = GatheredGroups([await scored_group(model, "c", [0.0, 1.0])])
         gathered.dropped = [{"group": 1, "metadata": {}, "reason": "judge failed: no score for t2", "trajectories": 2}]
         result = await model.train(gathered, TrainConfig(learning_rate=1e-3))
-        assert result.step == 2
+        assert result.step == 3
         assert result.metrics["groups/dropped"] == 1
         assert (await model.history())[-1]["dropped_reasons"] == ["judge failed: no score for t2"]
-        optimizer = torch.load(art_dir / "demo" / "models" / "agent" / "checkpoints" / "0002" / "optimizer.pt")
-        assert {float(s["step"]) for s in optimizer["state"].values()} == {2.0}  # Adam state carried over
+        optimizer = torch.load(art_dir / "demo" / "models" / "agent" / "checkpoints" / "0003" / "optimizer.pt")
+        assert {float(s["step"]) for s in optimizer["state"].values()} == {2.0}  # Adam state carried over (2 steps)
 
         deleted = await model.delete_checkpoints(best_metric="reward/mean", best_split="val")
-        assert deleted == {"deleted": [], "kept": [1, 2]}  # step 1 is the best validated, 2 the latest
+        assert deleted == {"deleted": [1], "kept": [2, 3]}  # step 2 is the best validated, 3 the latest
     finally:
         await restarted.close()
 

@@ -3,7 +3,7 @@
 For agents that keep their own `ChatOpenAI` pointed at an art-backend:
 
     llm = ChatOpenAI(base_url=".../v1", model=model.inference_name, api_key=...,
-                     extra_body={"return_token_ids": True})      # the one setting it needs
+                     extra_body={"return_token_ids": True})      # art-backend's default, explicit
     with art_capture() as trajectory:
         agent.invoke(inputs, config={"callbacks": [ARTCallbackHandler()]})
 

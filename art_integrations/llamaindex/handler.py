@@ -4,7 +4,7 @@ For agents that keep their own `OpenAILike` pointed at an art-backend:
 
     llm = OpenAILike(model=model.inference_name, api_base=".../v1", api_key="unused",
                      is_chat_model=True, is_function_calling_model=True,
-                     additional_kwargs={"extra_body": {"return_token_ids": True}})  # the one setting it needs
+                     additional_kwargs={"extra_body": {"return_token_ids": True}})  # art-backend's default, explicit
     instrument()                                     # once per process
     async with art_capture() as trajectory:
         await agent.run("...")

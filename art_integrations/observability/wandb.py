@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from art_integrations.observability._imports import require
 
 if TYPE_CHECKING:
-    from art_integrations.model import TrainableModel
+    from art_integrations.model import Model
 
 logger = logging.getLogger(__name__)
 
@@ -117,12 +117,15 @@ class WandbReporter:
                 self.run = None
 
 
-def reporter_for(model: TrainableModel) -> WandbReporter | None:
+def reporter_for(model: Model) -> WandbReporter | None:
     """The reporter `model.report_metrics` asks for, or None. Asked for explicitly and not
     installed: ImportError. Switched on by the environment and not installed: a warning."""
     if not wandb_wanted(model.report_metrics):
         return None
-    config = {"base_model": model.base_model, "lora": model.lora.model_dump()}
+    from art_integrations.model import TrainableModel  # here: model.py imports this module
+
+    config = ({"base_model": model.base_model, "lora": model.lora.model_dump()} if isinstance(model, TrainableModel)
+              else {"inference_model_name": model.inference_name, "inference_base_url": model.inference_base_url})
     try:
         return WandbReporter(model.project, model.name, config)
     except ImportError as error:

@@ -41,6 +41,7 @@ JSON only: {"scores": [{"trajectory_id": "t1", "explanation": "<why this score>"
 "score": <0 to 1>}, ...]}, naming every trajectory id exactly once."""
 
 ENV_BASE_URL, ENV_MODEL, ENV_API_KEY = "ART_JUDGE_BASE_URL", "ART_JUDGE_MODEL", "ART_JUDGE_API_KEY"
+_OPENAI_API = "https://api.openai.com/v1"
 
 
 class RulerError(RuntimeError):
@@ -76,22 +77,49 @@ class Judge:
                 f"{ENV_MODEL} (plus {ENV_API_KEY} if the endpoint needs a key).")
         return cls(base_url=base_url, model=model, api_key=os.environ.get(ENV_API_KEY))
 
+    @classmethod
+    def from_name(cls, name: str) -> Judge:
+        """ART's `judge_model="openai/o4-mini"`: with ART_JUDGE_BASE_URL set, `name` is a model served
+        there (any OpenAI-compatible endpoint; its key in ART_JUDGE_API_KEY); otherwise `provider/model`,
+        reached at `<PROVIDER>_BASE_URL` with `<PROVIDER>_API_KEY` (for openai the base URL defaults to
+        OpenAI's own API)."""
+        if os.environ.get(ENV_BASE_URL):
+            return cls(base_url=os.environ[ENV_BASE_URL], model=name, api_key=os.environ.get(ENV_API_KEY))
+        provider, _, model = name.partition("/")
+        if not model:
+            raise RulerError(f"judge_model={name!r}: name it as provider/model (e.g. 'openai/o4-mini'), or set "
+                             f"{ENV_BASE_URL} to the OpenAI-compatible endpoint that serves {name!r}.")
+        prefix = provider.upper().replace("-", "_")
+        base_url = os.environ.get(f"{prefix}_BASE_URL") or (_OPENAI_API if provider == "openai" else None)
+        if base_url is None:
+            raise RulerError(f"judge_model={name!r}: set {prefix}_BASE_URL to {provider}'s OpenAI-compatible "
+                             f"endpoint (and {prefix}_API_KEY), or {ENV_BASE_URL} to an endpoint serving {name!r}.")
+        return cls(base_url=base_url, model=model, api_key=os.environ.get(f"{prefix}_API_KEY"))
+
     def openai_client(self) -> AsyncOpenAI:
         if self.client is None:
             self.client = AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "unused")
         return self.client
 
 
-JudgeLike = Union[Judge, tuple[AsyncOpenAI, str], Backend, TrainableModel, None]
+JudgeLike = Union[Judge, str, tuple[AsyncOpenAI, str], Backend, TrainableModel, None]
 _backend_judges: weakref.WeakKeyDictionary[Backend, Judge] = weakref.WeakKeyDictionary()
 _env_judges: dict[tuple[str | None, ...], Judge] = {}  # one client per configuration, not per group
 
 
 async def resolve_judge(judge: JudgeLike) -> Judge:
-    """A `Judge` from any accepted form: None reads ART_JUDGE_*, a Backend/TrainableModel judges
-    with the backend's base model (no adapter). Any served name: `Judge.from_client(backend.openai_client(), name)`."""
+    """A `Judge` from any accepted form: None reads ART_JUDGE_*, a name is ART's `judge_model`
+    (`Judge.from_name`), a Backend/TrainableModel judges with the backend's base model (no adapter).
+    Any served name: `Judge.from_client(backend.openai_client(), name)`."""
     if isinstance(judge, Judge):
         return judge
+    if isinstance(judge, str):
+        key = (judge, *(os.environ.get(name) for name in (ENV_BASE_URL, ENV_API_KEY)))
+        if key not in _env_judges:
+            named = Judge.from_name(judge)
+            named.context_window = await _served_context_window(named)
+            _env_judges[key] = named
+        return _env_judges[key]
     if judge is None:
         key = tuple(os.environ.get(name) for name in (ENV_BASE_URL, ENV_MODEL, ENV_API_KEY))
         if key not in _env_judges:
@@ -101,12 +129,26 @@ async def resolve_judge(judge: JudgeLike) -> Judge:
         return Judge.from_client(*judge)
     backend = judge.backend if isinstance(judge, TrainableModel) else judge
     if not isinstance(backend, Backend):
-        raise TypeError(f"judge must be a Judge, (AsyncOpenAI, model), Backend, TrainableModel or None, not {judge!r}")
+        raise TypeError(f"judge must be a Judge, a model name, (AsyncOpenAI, model), Backend, TrainableModel or None, "
+                        f"not {judge!r}")
     if backend not in _backend_judges:  # the base model, no adapter: what /v1/models lists as root
         served = (await backend.request("GET", "/v1/models"))["data"]
         _backend_judges[backend] = Judge.from_client(backend.openai_client(), served[0].get("root") or served[0]["id"],
                                                      context_window=served[0].get("max_model_len"))
     return _backend_judges[backend]
+
+
+async def _served_context_window(judge: Judge) -> int | None:
+    """The judge's context window where its endpoint lists it (vLLM and art-backend do, as
+    `max_model_len`), so the answer's budget fits; None where it does not."""
+    try:
+        listed = await judge.openai_client().models.list()
+    except APIError as error:
+        logger.info("RULER judge %r: no model list at %s (%s); its context window is unknown", judge.model,
+                    judge.base_url, error)
+        return None
+    window = next(((m.model_extra or {}).get("max_model_len") for m in listed.data if m.id == judge.model), None)
+    return window if isinstance(window, int) else None
 
 
 class TrajectoryScore(BaseModel):
@@ -266,12 +308,18 @@ async def _judge(judge: Judge, messages: list[dict[str, str]], ids: list[str]) -
 
 
 async def ruler_score_group(group: TrajectoryGroup, judge: JudgeLike = None, rubric: str = DEFAULT_RUBRIC, *,
-                            swallow_exceptions: bool = False, debug: bool = False) -> TrajectoryGroup | None:
+                            judge_model: str | None = None, swallow_exceptions: bool = False,
+                            debug: bool = False) -> TrajectoryGroup | None:
     """Score `group` with one judge call: `reward` becomes the judge's score, the old reward
     stays in `metrics["independent_reward"]`, the explanation goes to `logs` and
     `metadata["ruler_explanation"]`. With `swallow_exceptions`, a failure returns None (drop
     the group) after recording why in `group.metadata["ruler_error"]`, the trajectories' logs,
-    a warning and `ruler_failures`. A misconfigured judge raises either way: it would drop every group."""
+    a warning and `ruler_failures`. A misconfigured judge raises either way: it would drop every group.
+    `judge_model`: ART's name for a judge given by name (see `Judge.from_name`)."""
+    if judge_model is not None:
+        if judge is not None:
+            raise TypeError("pass the judge once: judge= or judge_model=, not both")
+        judge = judge_model
     if not group.trajectories:
         return group
     resolved = await resolve_judge(judge)
@@ -307,11 +355,13 @@ def _apply(trajectory: Trajectory, score: TrajectoryScore) -> None:
     trajectory.logs.append(f"RULER {score.trajectory_id} ({score.score:.3f}): {score.explanation.strip()}")
 
 
-def ruler(judge: JudgeLike = None, rubric: str = DEFAULT_RUBRIC, *, swallow_exceptions: bool = False,
-          debug: bool = False) -> Callable[[TrajectoryGroup], Awaitable[TrajectoryGroup | None]]:
+def ruler(judge: JudgeLike = None, rubric: str = DEFAULT_RUBRIC, *, judge_model: str | None = None,
+          swallow_exceptions: bool = False, debug: bool = False
+          ) -> Callable[[TrajectoryGroup], Awaitable[TrajectoryGroup | None]]:
     """`ruler_score_group` with its settings fixed, for `gather_trajectory_groups(after_each=...)`."""
 
     async def score(group: TrajectoryGroup) -> TrajectoryGroup | None:
-        return await ruler_score_group(group, judge, rubric, swallow_exceptions=swallow_exceptions, debug=debug)
+        return await ruler_score_group(group, judge, rubric, judge_model=judge_model,
+                                       swallow_exceptions=swallow_exceptions, debug=debug)
 
     return score

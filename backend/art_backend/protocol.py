@@ -127,7 +127,11 @@ class ChatCompletionRequest(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)  # 0 or -1: no cut
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
-    return_token_ids: bool = False
+    # on unless turned off: ART's servers send token information unasked, and ART's rollout code
+    # appends `response.choices[0]` expecting it to be trainable
+    return_token_ids: bool = Field(default=True, description="Each choice's `token_ids` and `prompt_token_ids` "
+                                   "(and the response's `prompt_token_ids`), kept for the callback handlers "
+                                   "under the message id; false leaves them out (vLLM's default).")
     ignore_eos: bool = False
 
     @model_validator(mode="before")

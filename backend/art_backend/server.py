@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API over an `Engine` (FastAPI).
 
-Routes: GET /health, GET /v1/models, POST /v1/chat/completions. With `return_token_ids`
-(as vLLM) responses carry `prompt_token_ids` and each choice's `token_ids`, so clients can
+Routes: GET /health, GET /v1/models, POST /v1/chat/completions. With `return_token_ids` (as
+vLLM; on unless turned off) responses carry `prompt_token_ids` and each choice's `token_ids`, so clients can
 train on exactly the tokens the policy saw and produced; a prompt that replays an earlier
 turn keeps that turn's exact ids (`continuation.py`), so multi-turn rollouts stay one sequence.
 """
@@ -238,6 +238,7 @@ class ChatService:
             entry["finish_reason"] = self._finish_reason(choice.finish_reason, parsed)
             if body.return_token_ids:
                 entry["token_ids"] = choice.token_ids
+                entry["prompt_token_ids"] = generation.prompt_ids  # a choice appended on its own keeps its prompt
                 message["id"] = f"{response_id}-{choice.index}"
                 self.records.add(message["id"], body.model, generation.prompt_ids, choice)
             out_choices.append(entry)

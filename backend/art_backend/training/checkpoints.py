@@ -73,6 +73,7 @@ class ModelFiles:
     name: str
     lora: LoraConfig
     directory: Path
+    trainable: bool = True  # False: a model only scored (logged) beside the trained ones
 
     @property
     def checkpoints(self) -> Path:

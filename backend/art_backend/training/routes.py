@@ -45,6 +45,8 @@ class RegisterBody(_Body):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     fall_back: bool = Field(default=False, description="if the newest checkpoint does not load, move the damaged "
                             "steps aside and continue from the newest one that does")
+    trainable: bool = Field(default=True, description="false: a model only scored beside the trained ones (ART's "
+                            "`art.Model`): its logged metrics are recorded; nothing is served or trained")
 
 
 class TrainBody(_Body):
@@ -68,6 +70,8 @@ def training_router(service: TrainingService) -> APIRouter:
 
     @router.post("/models")
     async def register(body: RegisterBody) -> dict[str, Any]:
+        if not body.trainable:
+            return await service.register_scored(body.project, body.name)
         return await service.register(body.project, body.name, body.base_model, body.lora, body.fall_back)
 
     @router.get("/models/{project}/{name}/step")

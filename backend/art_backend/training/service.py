@@ -102,16 +102,45 @@ class TrainingService:
 
     # ----- registry ---------------------------------------------------------------------
 
-    def model(self, project: str, name: str) -> ModelFiles:
+    def model(self, project: str, name: str, *, to_train: bool = False) -> ModelFiles:
         model = self._models.get(name)
         if model is None or model.project != project:
             raise UnknownModelError(
                 f"Model {name!r} of project {project!r} is not registered on this backend: "
                 "call `await model.register(backend)` first.")
+        if to_train and not model.trainable:
+            raise TrainingRequestError(f"Model {name!r} was registered to be scored only (a Model, not a "
+                                       "TrainableModel): it has no adapter to train or checkpoints to delete.")
         return model
 
     def get_step(self, project: str, name: str) -> int:
         return max(self.model(project, name).steps(), default=0)
+
+    def _model_directory(self, project: str, name: str) -> Path:
+        if name == self.engine.base_model_name or "@" in name:
+            raise TrainingRequestError(f"Model name {name!r} is reserved or contains '@'; choose another name.")
+        existing = self._models.get(name)
+        if existing is not None and existing.project != project:
+            raise TrainingRequestError(
+                f"Model name {name!r} is already registered by project {existing.project!r}: served "
+                "names must be unique on one backend.")
+        directory = self.art_dir / project / "models" / name
+        if not directory.resolve().is_relative_to(self.art_dir.resolve()):
+            raise TrainingRequestError(f"{project!r}/{name!r} would put the model outside the art dir: use plain names.")
+        return directory
+
+    async def register_scored(self, project: str, name: str) -> dict[str, Any]:
+        """A model only scored beside the trained ones (ART's `art.Model`, e.g. a prompted model
+        elsewhere): its `log()` records go to its own history; nothing is served or trained."""
+        directory = self._model_directory(project, name)
+        model = ModelFiles(project, name, LoraConfig(), directory, trainable=False)
+        if model.steps():
+            raise TrainingRequestError(f"{project}/{name} has trained checkpoints: register it as a TrainableModel, "
+                                       "or score the prompted model under another name.")
+        async with self._locks[name]:
+            self._save_description(model)
+            self._models[name] = model
+        return {"step": 0, "inference_name": name, "base_model": None, "directory": str(directory)}
 
     async def register(self, project: str, name: str, base_model: str | None, lora: LoraConfig,
                        fall_back: bool = False) -> dict[str, Any]:
@@ -124,16 +153,7 @@ class TrainingService:
                 f"This backend serves {self.engine.base_model_name!r}, not {base_model!r}: start the backend "
                 f"with --model pointing at {base_model!r}, or register with base_model="
                 f"{self.engine.base_model_name!r}.")
-        if name == self.engine.base_model_name or "@" in name:
-            raise TrainingRequestError(f"Model name {name!r} is reserved or contains '@'; choose another name.")
-        existing = self._models.get(name)
-        if existing is not None and existing.project != project:
-            raise TrainingRequestError(
-                f"Model name {name!r} is already registered by project {existing.project!r}: served "
-                "names must be unique on one backend.")
-        directory = self.art_dir / project / "models" / name
-        if not directory.resolve().is_relative_to(self.art_dir.resolve()):
-            raise TrainingRequestError(f"{project!r}/{name!r} would put the model outside the art dir: use plain names.")
+        directory = self._model_directory(project, name)
         async with self._locks[name]:
             model = ModelFiles(project, name, self._stored_lora(project, name) or lora, directory)
             try:
@@ -154,15 +174,19 @@ class TrainingService:
         if not saved.is_file():
             return None
         try:
-            return LoraConfig.model_validate(json.loads(saved.read_text())["lora"])
+            described = json.loads(saved.read_text())
+            if described.get("trainable") is False:  # scored only so far: the adapter starts now
+                return None
+            return LoraConfig.model_validate(described["lora"])
         except (ValueError, KeyError, TypeError) as error:
             raise DamagedCheckpointError(
                 f"{saved} does not load ({error!r}): it holds the model's LoRA settings. Restore it, or remove it to "
                 "register with the settings you pass (they must match the checkpoints').") from error
 
     def _save_description(self, model: ModelFiles) -> None:
-        text = json.dumps({"project": model.project, "name": model.name, "base_model": self.engine.base_model_name,
-                           "lora": model.lora.model_dump()}, indent=2)
+        described = ({"base_model": self.engine.base_model_name, "lora": model.lora.model_dump()} if model.trainable
+                     else {"trainable": False})
+        text = json.dumps({"project": model.project, "name": model.name, **described}, indent=2)
         path = model.directory / "model.json"
         if not path.is_file() or path.read_text() != text:  # written whole or not at all, never in place
             write_atomically(path, text)
@@ -208,7 +232,7 @@ class TrainingService:
     async def train(self, project: str, name: str, groups: list[TrajectoryGroup], config: TrainConfig,
                     dropped: list[str] | None = None) -> dict[str, Any]:
         """One GRPO step, acknowledged once it is durable on disk and served."""
-        model = self.model(project, name)
+        model = self.model(project, name, to_train=True)
         async with self._locks[name]:
             kill_point("step_started")
             started = time.perf_counter()
@@ -217,16 +241,16 @@ class TrainingService:
             if dropped:
                 metrics["groups/dropped"] = len(dropped)
                 metrics["dropped_reasons"] = dropped
-            if not sequences:
-                metrics["trained"] = False
-                metrics["note"] = ("No step taken: every group had equal rewards (no signal) or no model turns. "
-                                   "Vary the scenario or the reward so rollouts of a group score differently.")
-                return {"step": step, "metrics": metrics}
+            if not sequences:  # still a step (history line, `<name>@N`), so resumed loops and curves stay whole
+                metrics["note"] = ("Nothing trained: every group had equal rewards (no signal) or no model turns; "
+                                   "the step advanced with the adapter unchanged. Vary the scenario or the reward so "
+                                   "rollouts of a group score differently.")
+                logger.warning("%s/%s step %d: %s", project, name, step + 1, metrics["note"])
             staging = model.new_staging()
             try:
                 metrics.update(await self.engine.train_step(name, sequences, config, model.lora,
                                                             model.checkpoint(step), staging))
-                metrics.update({"trained": True, "learning_rate": config.learning_rate,
+                metrics.update({"trained": bool(sequences), "learning_rate": config.learning_rate,
                                 "seconds": time.perf_counter() - started})
                 record = {"step": step + 1, "split": "train", "time": time.time(), **metrics}
                 await asyncio.to_thread(model.commit, staging, step + 1, record, groups)
@@ -266,7 +290,7 @@ class TrainingService:
     async def delete_checkpoints(self, project: str, name: str, best_metric: str, best_split: str) -> dict[str, Any]:
         """Delete every checkpoint but the latest and the best by `best_metric` (higher is better)
         among `best_split` records of the history."""
-        model = self.model(project, name)
+        model = self.model(project, name, to_train=True)
         async with self._locks[name]:
             steps = model.steps()
             scores = {r["step"]: r[best_metric] for r in model.history()

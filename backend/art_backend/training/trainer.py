@@ -126,6 +126,9 @@ class LoraTrainer:
         for group in optimizer.param_groups:
             group["lr"] = config.learning_rate
         optimizer.zero_grad(set_to_none=True)  # a step that failed halfway may have left gradients
+        if not sequences:  # a step without signal: the adapter and optimizer go on unchanged
+            self._save(key, optimizer, save_to)
+            return {"train_seconds": time.perf_counter() - started}
         self.peft.train()
         sums = self.accumulate_gradients(sequences, config)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
