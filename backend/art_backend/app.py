@@ -32,7 +32,7 @@ def choose_engine(requested: str) -> tuple[str, str]:
 # settings that one engine reads and the other does not
 _TORCH_ONLY = {"threads", "cpu_kernels", "prefix_cache_bytes"}
 _VLLM_ONLY = {"gpu_memory_utilization", "kv_cache_memory_bytes", "max_loras", "max_cpu_loras", "max_lora_rank",
-              "tensor_parallel_size", "vllm_engine_args"}
+              "tensor_parallel_size", "data_parallel_size", "vllm_engine_args"}
 
 
 def build_engine(settings: BackendSettings) -> Engine:
@@ -52,7 +52,8 @@ def build_engine(settings: BackendSettings) -> Engine:
                           gpu_memory_utilization=settings.gpu_memory_utilization,
                           kv_cache_memory_bytes=settings.kv_cache_memory_bytes, max_loras=settings.max_loras,
                           max_cpu_loras=settings.max_cpu_loras, max_lora_rank=settings.max_lora_rank,
-                          tensor_parallel_size=settings.tensor_parallel_size, engine_args=settings.vllm_engine_args)
+                          tensor_parallel_size=settings.tensor_parallel_size,
+                          data_parallel_size=settings.data_parallel_size, engine_args=settings.vllm_engine_args)
     from art_backend.engine.torch_engine import TorchEngine
 
     return TorchEngine(model_dir, served_model_name=settings.served_model_name,

@@ -83,6 +83,8 @@ def serve(
     max_cpu_loras: Annotated[Optional[int], typer.Option(help="vLLM: adapters kept loaded.")] = None,
     max_lora_rank: Annotated[Optional[int], typer.Option(help="vLLM: highest LoRA rank served (default 16).")] = None,
     tensor_parallel_size: Annotated[Optional[int], typer.Option(help="vLLM: GPUs per model.")] = None,
+    data_parallel_size: Annotated[Optional[int], typer.Option(
+        help="vLLM: copies of the model, each on its own GPUs, requests balanced across them.")] = None,
     vllm_engine_args: Annotated[Optional[str], typer.Option(
         help='vLLM: further AsyncEngineArgs as JSON, e.g. \'{"enforce_eager": true}\'.')] = None,
 ) -> None:
@@ -97,6 +99,7 @@ def serve(
         "art_dir": art_dir, "dtype": dtype, "max_request_bytes": max_request_bytes, "engine": engine, "gpu_memory_utilization": gpu_memory_utilization,
         "kv_cache_memory_bytes": kv_cache_memory_bytes, "max_loras": max_loras, "max_cpu_loras": max_cpu_loras,
         "max_lora_rank": max_lora_rank, "tensor_parallel_size": tensor_parallel_size,
+        "data_parallel_size": data_parallel_size,
         "vllm_engine_args": _json_object(vllm_engine_args, "--vllm-engine-args")}.items() if v is not None}
     try:
         settings = BackendSettings(**overrides)

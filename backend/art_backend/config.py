@@ -79,6 +79,9 @@ class BackendSettings(BaseSettings):
         default=16, description="vLLM: the highest LoRA rank it serves (one of 1, 8, 16, 32, 64, 128, 256, 320, 512); "
         "registering a model with a higher rank is refused.")
     tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM: GPUs that each layer is split across.")
+    data_parallel_size: int = Field(
+        default=1, ge=1, description="vLLM: copies of the model (each on tensor_parallel_size GPUs of its own) that "
+        "requests are balanced across; adapters, pauses and sleep reach every copy.")
     vllm_engine_args: dict[str, Any] = Field(
         default_factory=dict, description="vLLM: further vllm.AsyncEngineArgs fields, as JSON "
         '(e.g. {"enforce_eager": true}); they win over the settings above.')

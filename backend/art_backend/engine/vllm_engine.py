@@ -83,11 +83,20 @@ def vllm_engine_args(model_dir: Path, served_model_name: str, max_model_len: int
                      dtype: str = "float32", max_batch_size: int | None = None,
                      gpu_memory_utilization: float | None = None, kv_cache_memory_bytes: int | None = None,
                      max_loras: int = 4, max_cpu_loras: int | None = None, max_lora_rank: int = 16,
-                     tensor_parallel_size: int = 1) -> dict[str, Any]:
+                     tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> dict[str, Any]:
     """The `vllm.AsyncEngineArgs` fields `VLLMEngine` starts vLLM with (before its `engine_args`),
     from the same arguments; `max_model_len` comes back resolved. One place, so that a benchmark
     of vLLM's own server gets exactly the engine's settings."""
     on_gpu = torch.cuda.is_available()
+    for name, size in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name}={size!r}: a whole number of GPUs (or copies), at least 1")
+    wanted = tensor_parallel_size * data_parallel_size
+    if on_gpu and wanted > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size} "
+                         f"needs {wanted} GPUs, and this process sees {torch.cuda.device_count()} "
+                         "(CUDA_VISIBLE_DEVICES limits them): lower the sizes, or start the backend where that many "
+                         "GPUs are visible")
     own_limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
     args: dict[str, Any] = {
         "model": str(model_dir), "tokenizer": str(model_dir),
@@ -96,6 +105,7 @@ def vllm_engine_args(model_dir: Path, served_model_name: str, max_model_len: int
         "dtype": "bfloat16" if on_gpu else dtype,
         "enable_lora": True, "max_loras": max_loras, "max_lora_rank": max_lora_rank,
         "max_cpu_loras": max_cpu_loras, "tensor_parallel_size": tensor_parallel_size,
+        "data_parallel_size": data_parallel_size,
         "logprobs_mode": "processed_logprobs", "structured_outputs_config": {"backend": "guidance"},
         "enable_prefix_caching": True, "enable_sleep_mode": on_gpu, "disable_log_stats": True,
     }
@@ -117,7 +127,8 @@ class VLLMEngine:
                  dtype: str = "float32", max_batch_size: int | None = None,
                  gpu_memory_utilization: float | None = None, kv_cache_memory_bytes: int | None = None,
                  max_loras: int = 4, max_cpu_loras: int | None = None, max_lora_rank: int = 16,
-                 tensor_parallel_size: int = 1, engine_args: Mapping[str, Any] | None = None) -> None:
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                 engine_args: Mapping[str, Any] | None = None) -> None:
         """`dtype`: the weights' precision on CPU (float32 by default, the trainer's, so sampled
         logprobs match its recomputation); on a GPU always bfloat16. `engine_args`: any further
         `vllm.AsyncEngineArgs` fields, passed through (they win over ours)."""
@@ -136,7 +147,8 @@ class VLLMEngine:
             self.model_dir, self.base_model_name, max_model_len=max_model_len, dtype=dtype,
             max_batch_size=max_batch_size, gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=kv_cache_memory_bytes, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
-            max_lora_rank=max_lora_rank, tensor_parallel_size=tensor_parallel_size)
+            max_lora_rank=max_lora_rank, tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size)
         self.max_model_len = args["max_model_len"]
         self.max_lora_rank = max_lora_rank
         self.constrainer = Constrainer(self.tokenizer)
