@@ -17,6 +17,7 @@ from art_integrations.gather import (
 from art_integrations.backend import Backend, BackendError, LocalBackend, RemoteBackend
 from art_integrations.dataset import DatasetBatch, iterate_dataset
 from art_integrations.model import Model, TrainableModel, TrainResult
+from art_integrations.ray_rollouts import RayRollouts  # imports Ray only when a gather first uses it
 from art_integrations.retry import retry
 from art_integrations.training import LoraConfig, TrainConfig
 from art_integrations.trajectory import Choice, History, Trajectory, TrajectoryGroup
@@ -32,6 +33,7 @@ __all__ = [
     "LocalBackend",
     "LoraConfig",
     "Model",
+    "RayRollouts",
     "RemoteBackend",
     "TrainConfig",
     "TrainResult",

@@ -19,8 +19,8 @@ import logging
 import statistics
 import traceback
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tqdm.auto import tqdm
 
@@ -53,6 +53,15 @@ class RolloutGroup:
     rollout: Callable[[], Awaitable[Trajectory]]
     n: int
     metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class RolloutRunner(Protocol):
+    """Where rollouts run when not in this process (`RayRollouts`: a Ray cluster)."""
+
+    def remote(self, rollout: Callable[[], Awaitable[Trajectory]]) -> Callable[[], Awaitable[Trajectory]]:
+        """`rollout` sent away once (per group); each call of the result runs it there once and
+        returns the finished trajectory, its tokens fetched."""
+        ...
 
 
 def trajectory_group(rollout: Callable[[], Awaitable[Trajectory]], n: int, **metadata: Any) -> RolloutGroup:
@@ -108,21 +117,21 @@ def completion_tokens(trajectory: Trajectory) -> int:
 
 async def gather_trajectories(rollout: Callable[[], Awaitable[Trajectory]] | Iterable[Awaitable[Trajectory]],
                               n: int | None = None, *, pbar_desc: str | None = None, max_exceptions: int | float = 0,
-                              **metadata: Any) -> Any:
+                              runner: RolloutRunner | None = None, **metadata: Any) -> Any:
     """Run one group of `n` rollouts of the same scenario: `gather_trajectories(rollout, n)` gives
     the TrajectoryGroup. ART's form, awaitables not started (`gather_trajectories(rollout(s) for s
     in scenarios, pbar_desc="val")`), gives the list of trajectories, failures left out (counted
-    against `max_exceptions`, their tracebacks logged)."""
+    against `max_exceptions`, their tracebacks logged). `runner`: as for gather_trajectory_groups."""
     if callable(rollout):
         if n is None:
             raise TypeError("gather_trajectories(rollout, n): say how many rollouts to run")
         spec = trajectory_group(rollout, n, **metadata)
         return (await gather_trajectory_groups([spec], progress=pbar_desc is not None, desc=pbar_desc or "gather",
-                                               max_exceptions=max_exceptions))[0]
+                                               max_exceptions=max_exceptions, runner=runner))[0]
     if n is not None or metadata:
         raise TypeError("gather_trajectories(awaitables) takes no n or metadata: each awaitable is one rollout")
     group = (await gather_trajectory_groups([PendingGroup(list(rollout), {})], desc=pbar_desc or "gather",
-                                            max_exceptions=max_exceptions))[0]
+                                            max_exceptions=max_exceptions, runner=runner))[0]
     for failure in group.exceptions:
         logger.warning("a rollout failed and is left out:\n%s", failure)
     return group.trajectories
@@ -138,12 +147,14 @@ async def gather_trajectory_groups(
     desc: str = "gather",
     pbar_desc: str | None = None,
     langfuse: StepExport | None = None,
+    runner: RolloutRunner | None = None,
 ) -> GatheredGroups:
     """Run every rollout of every group (at most `max_concurrency` at once) and return the
     groups in order. `after_each(group)` runs as each group completes (e.g. RULER scoring); it
     may change the group, return a replacement, or return None to drop it (logged).
     `langfuse=exporter.for_step(model, step)` sends each kept group, scored, to Langfuse.
-    `pbar_desc`: ART's name for `desc`."""
+    `pbar_desc`: ART's name for `desc`. `runner=RayRollouts(...)` runs each rollout on a Ray
+    cluster (captures and token fetches happen there); by default they run in this process."""
     if pbar_desc is not None:
         if desc != "gather" and desc != pbar_desc:
             raise TypeError(f"desc={desc!r} and pbar_desc={pbar_desc!r} name the same thing: pass one")
@@ -192,6 +203,8 @@ async def gather_trajectory_groups(
 
     async def run_group(index: int, spec: RolloutGroup) -> None:
         nonlocal tokens
+        if runner is not None:  # a rollout function that cannot be sent fails the gather, not n rollouts
+            spec = replace(spec, rollout=runner.remote(spec.rollout))
         await asyncio.gather(*(run(index, spec) for _ in range(spec.n)))
         if pending[index]:
             await asyncio.to_thread(fetch_tokens, pending[index])

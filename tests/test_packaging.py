@@ -18,6 +18,19 @@ def test_client_package_imports_without_torch() -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_client_package_imports_without_ray_and_says_which_extra_the_runner_needs() -> None:
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['ray'] = None\n"
+            "from art_integrations import RayRollouts\n"
+            "runner = RayRollouts(address='auto', num_cpus=0.5)  # configuring it needs no Ray\n"
+            "try:\n"
+            "    runner.connect()\n"
+            "except ImportError as error:\n"
+            "    print(error)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert 'RayRollouts needs Ray' in result.stdout and 'pip install "art-integrations[ray]"' in result.stdout
+
+
 def test_a_directory_without_a_model_is_refused_with_the_fix(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFoundError, match="save_pretrained"):
         resolve_model_dir(str(tmp_path), tmp_path / "cache")
