@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 # The engine contract tests: each runs on the torch engine (in .venv) and on the vLLM engine (in .venv-vllm).
 ENGINE_TESTS := tests/test_openai_api.py tests/test_engines.py tests/test_training_backend.py tests/test_grpo_learns.py
 
-.PHONY: setup setup-vllm setup-art browser run smoke test bench-serving bench-vllm-serving bench-lora-serving bench-training bench-capture clean
+.PHONY: setup setup-vllm setup-art browser run smoke test bench-serving bench-vllm-serving bench-lora-serving bench-training bench-capture bench-rollouts clean
 
 # $(call new_venv,DIR,PACKAGES): a venv at DIR with the pinned CPU torch, the embedded model and PACKAGES.
 define new_venv
@@ -90,6 +90,10 @@ bench-training: setup
 # ARGS="--model embedded" or ARGS="--art-python /path/to/art-venv/bin/python" (a venv with openpipe-art)
 bench-capture: setup
 	$(BIN)/python benchmarks/bench_capture.py $(ARGS)
+
+# rollouts/s in-process vs a local Ray cluster of one and two nodes; ARGS="--repeats 5"
+bench-rollouts: setup
+	$(BIN)/python benchmarks/bench_rollouts.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(ART_VENV)
