@@ -285,6 +285,10 @@ async def test_a_rollout_that_cannot_travel_is_refused_once_with_the_fix(cluster
     with pytest.raises(TypeError, match="cannot be sent to the Ray workers.*build chat models, agents and clients"):
         await gather_trajectory_groups([trajectory_group(holds_a_lock, n=3)],
                                        runner=RayRollouts(address=cluster.address), progress=False)
+    # ART's style, coroutines already created here, cannot move at all (and are closed, never left unawaited)
+    with pytest.raises(TypeError, match=r"coroutines already created .* pass trajectory_group\(lambda"):
+        await gather_trajectory_groups([TrajectoryGroup(fine() for _ in range(2))],
+                                       runner=RayRollouts(address=cluster.address), progress=False)
 
 
 SCRIPT = '''
