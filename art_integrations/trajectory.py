@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Awaitable, Generator, Iterable
 from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_serializer, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_serializer, field_validator, model_validator
 
 from art_integrations.strict import StrictModel
 
@@ -96,7 +96,7 @@ MetricValue = Union[float, int, bool]
 PolicyVersion = Annotated[StrictInt, Field(ge=0)]  # strict: `true` is not a version
 
 
-def metrics_are_numbers(metrics: Any) -> Any:
+def _numbers_only(metrics: Any) -> Any:
     for key, value in (metrics.items() if isinstance(metrics, dict) else ()):
         if not isinstance(value, (int, float, bool)) or (isinstance(value, float) and math.isnan(value)):
             raise ValueError(
@@ -104,6 +104,9 @@ def metrics_are_numbers(metrics: Any) -> Any:
                 "booleans. Put other values in `metadata` or `logs`."
             )
     return metrics
+
+
+Metrics = Annotated[dict[str, MetricValue], BeforeValidator(_numbers_only)]
 
 
 def _as_message_or_choice(item: Any) -> Any:
@@ -146,18 +149,13 @@ class History(StrictModel):
 
 class Trajectory(History):
     reward: float = 0.0
-    metrics: dict[str, MetricValue] = Field(default_factory=dict)
+    metrics: Metrics = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
     additional_histories: list[History] = Field(default_factory=list)
     # ART's: which checkpoint served the rollout's first and last model call (kept, not used here)
     initial_policy_version: PolicyVersion | None = None
     final_policy_version: PolicyVersion | None = None
-
-    @field_validator("metrics", mode="before")
-    @classmethod
-    def _metrics_are_numbers(cls, metrics: Any) -> Any:
-        return metrics_are_numbers(metrics)
 
     @field_validator("reward", mode="before")
     @classmethod
@@ -194,7 +192,7 @@ class TrajectoryGroup(StrictModel):
     trajectories: list[Trajectory] = Field(default_factory=list)
     exceptions: list[str] = Field(default_factory=list)  # tracebacks of rollouts that failed
     metadata: dict[str, Any] = Field(default_factory=dict)
-    metrics: dict[str, MetricValue] = Field(default_factory=dict)
+    metrics: Metrics = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
 
     def __new__(cls, trajectories: Iterable[Any] | None = None, /, **fields: Any) -> Any:
@@ -221,11 +219,6 @@ class TrajectoryGroup(StrictModel):
     def __init__(self, trajectories: Iterable[Any] | None = None, /, **fields: Any) -> None:
         if trajectories is None:  # built in __new__ when given positionally
             super().__init__(**fields)
-
-    @field_validator("metrics", mode="before")
-    @classmethod
-    def _metrics_are_numbers(cls, metrics: Any) -> Any:
-        return metrics_are_numbers(metrics)
 
     @field_validator("exceptions", mode="before")
     @classmethod

@@ -163,6 +163,24 @@ async def scored_group(model: Any, scenario: str, rewards: list[float]) -> Any:
     return TrajectoryGroup(trajectories=trajectories)
 
 
+def supervisor_graph(supervisor: Any, researcher: Any) -> Any:
+    """A compiled LangGraph supervisor whose `researcher` node is a subgraph around `researcher`
+    (a sub-agent: its calls become an additional history of the trajectory)."""
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    research = StateGraph(MessagesState)
+    research.add_node("research_agent", researcher)
+    research.add_edge(START, "research_agent")
+    research.add_edge("research_agent", END)
+    graph = StateGraph(MessagesState)
+    graph.add_node("supervisor", supervisor)
+    graph.add_node("researcher", research.compile())
+    graph.add_edge(START, "supervisor")
+    graph.add_edge("supervisor", "researcher")
+    graph.add_edge("researcher", END)
+    return graph.compile()
+
+
 REPO = Path(__file__).resolve().parent.parent
 
 

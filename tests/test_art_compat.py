@@ -5,7 +5,6 @@ itself (in its own venv, `make setup-art`)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import random

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from langchain_openai import ChatOpenAI
-from llama_index.core.llms import ChatMessage
 from llama_index.llms.openai_like import OpenAILike
 
 from art_integrations import Trajectory, art_capture, gather_trajectory_groups, trajectory_group

@@ -25,7 +25,7 @@ import pytest
 from langchain_core.messages import HumanMessage, SystemMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
-from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.graph import MessagesState
 from langgraph.prebuilt import create_react_agent
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -47,7 +47,7 @@ from art_integrations.langchain import ARTCallbackHandler, ChatART
 from art_integrations.observability import LangfuseExporter, TraceLabels
 from art_integrations.rewards import Judge, ruler
 from art_integrations.trajectory import Choice
-from tests.conftest import ServerThread
+from tests.conftest import ServerThread, supervisor_graph
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning",
                                         "ignore:create_react_agent has been moved")
@@ -412,24 +412,13 @@ def test_sub_agents_and_branches_nest_under_their_own_spans(receiver: LangfuseRe
     def researcher(state: MessagesState) -> dict:
         return {"messages": [tiny_llm.invoke([SystemMessage("You research."), state["messages"][0]])]}
 
-    research = StateGraph(MessagesState)
-    research.add_node("research_agent", researcher)
-    research.add_edge(START, "research_agent")
-    research.add_edge("research_agent", END)
-
     def supervisor(state: MessagesState) -> dict:
         reply = tiny_llm.invoke(state["messages"])
         tiny_llm.invoke([HumanMessage("Plan the search first.")])  # a side conversation: a branch
         return {"messages": [reply]}
 
-    graph = StateGraph(MessagesState)
-    graph.add_node("supervisor", supervisor)
-    graph.add_node("researcher", research.compile())
-    graph.add_edge(START, "supervisor")
-    graph.add_edge("supervisor", "researcher")
-    graph.add_edge("researcher", END)
     with art_capture(scenario="owls") as trajectory:
-        graph.compile().invoke({"messages": [HumanMessage("Find facts about owls.")]})
+        supervisor_graph(supervisor, researcher).invoke({"messages": [HumanMessage("Find facts about owls.")]})
     assert trajectory.metadata["additional_history_agents"] == ["main", "researcher"]
 
     (trace_id,) = exporter.export_group(TrajectoryGroup(trajectories=[trajectory]),

@@ -13,7 +13,7 @@ from art_backend.training.tokenize import TokenizeStats, tokenize_trajectory
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
-from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.graph import MessagesState
 from langgraph.prebuilt import create_react_agent
 from pydantic import BaseModel
 
@@ -28,7 +28,7 @@ from art_integrations import (
     trajectory_group,
 )
 from art_integrations.langchain import ARTCallbackHandler, ChatART
-from tests.conftest import ServerThread
+from tests.conftest import ServerThread, supervisor_graph
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning",
                                         "ignore:create_react_agent has been moved")
@@ -101,23 +101,11 @@ def test_supervisor_subgraph_calls_become_an_additional_history(tiny_llm: ChatAR
     def researcher(state: MessagesState) -> dict:
         return {"messages": [tiny_llm.invoke([SystemMessage("You research."), state["messages"][0]])]}
 
-    research = StateGraph(MessagesState)
-    research.add_node("research_agent", researcher)
-    research.add_edge(START, "research_agent")
-    research.add_edge("research_agent", END)
-
     def supervisor(state: MessagesState) -> dict:
         return {"messages": [tiny_llm.invoke(state["messages"])]}
 
-    graph = StateGraph(MessagesState)
-    graph.add_node("supervisor", supervisor)
-    graph.add_node("researcher", research.compile())
-    graph.add_edge(START, "supervisor")
-    graph.add_edge("supervisor", "researcher")
-    graph.add_edge("researcher", END)
-
     with art_capture() as trajectory:
-        graph.compile().invoke({"messages": [HumanMessage("Find facts about owls.")]})
+        supervisor_graph(supervisor, researcher).invoke({"messages": [HumanMessage("Find facts about owls.")]})
     assert len(trajectory.choices()) == 1  # the supervisor's call
     (sub,) = trajectory.additional_histories
     assert sub.messages_and_choices[0] == {"role": "system", "content": "You research."}

@@ -40,7 +40,7 @@ from art_integrations import (  # noqa: E402
     gather_trajectory_groups,
     trajectory_group,
 )
-from tests.conftest import ServerThread  # noqa: E402
+from tests.conftest import ServerThread, supervisor_graph  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning")
 
@@ -90,7 +90,7 @@ def where() -> dict[str, Any]:
 async def supervisor_rollout(model: TrainableModel, topic: str, temperature: float = 0.0) -> Trajectory:
     """A LangGraph supervisor with a research subgraph (a sub-agent: an additional history), on ChatART."""
     from langchain_core.messages import HumanMessage, SystemMessage
-    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.graph import MessagesState
 
     from art_integrations.langchain import ChatART
 
@@ -100,22 +100,12 @@ async def supervisor_rollout(model: TrainableModel, topic: str, temperature: flo
     async def researcher(state: MessagesState) -> dict[str, Any]:
         return {"messages": [await llm.ainvoke([SystemMessage("You research."), state["messages"][0]])]}
 
-    research = StateGraph(MessagesState)
-    research.add_node("research_agent", researcher)
-    research.add_edge(START, "research_agent")
-    research.add_edge("research_agent", END)
-
     async def supervisor(state: MessagesState) -> dict[str, Any]:
         return {"messages": [await llm.ainvoke(state["messages"])]}
 
-    graph = StateGraph(MessagesState)
-    graph.add_node("supervisor", supervisor)
-    graph.add_node("researcher", research.compile())
-    graph.add_edge(START, "supervisor")
-    graph.add_edge("supervisor", "researcher")
-    graph.add_edge("researcher", END)
     async with art_capture(topic=topic) as trajectory:
-        await graph.compile().ainvoke({"messages": [HumanMessage(f"Find facts about {topic}.")]})
+        await supervisor_graph(supervisor, researcher).ainvoke(
+            {"messages": [HumanMessage(f"Find facts about {topic}.")]})
     trajectory.metadata.update(where())
     # greedy rollouts of a scenario are alike (no signal); sampled ones differ in their tokens
     trajectory.reward = sum(c.token_ids[0] for h in trajectory.histories() for c in h.choices()) % 1000 / 1000
