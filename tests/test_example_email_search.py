@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from contextlib import closing
 from pathlib import Path
@@ -209,11 +210,15 @@ def test_train_with_ruler_scores_or_drops_each_group(tmp_path: Path) -> None:
     out = run_example("examples.email_search.train", *TINY, "--art-dir", str(tmp_path), "--ruler")
     step = next(line for line in out.splitlines() if line.startswith("step "))
     model_dir = tmp_path / "email-search" / "models" / "email-agent-s0"
+    untrained = [r for r in map(json.loads, (model_dir / "history.jsonl").read_text().splitlines())
+                 if r["split"] == "train" and r["trained"] is False]
+    # nothing to train is still a step: recorded, its checkpoint the unchanged adapter
     if "(1 dropped)" in step:
         assert "reward mean n/a" in step and "groups trained 0/1" in step
-        assert not (model_dir / "checkpoints" / "0001").exists()
+        assert [r["step"] for r in untrained] == [1] and (model_dir / "checkpoints" / "0001").is_dir()
     elif "groups trained 0/1" in step:  # judged, but both rollouts alike: no signal, nothing trained
-        assert " std 0.000," in step and not (model_dir / "checkpoints" / "0001").exists()
+        assert " std 0.000," in step
+        assert [r["step"] for r in untrained] == [1] and (model_dir / "checkpoints" / "0001").is_dir()
     else:
         assert "metrics/independent_reward" in (model_dir / "history.jsonl").read_text()
     assert "held-out score: base" in out
