@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from array import array
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,9 @@ from typing import Any
 import openai
 import pytest
 from art_backend.chat_format import ChatFormatter
-from art_backend.continuation import TokenContinuations
+from art_backend.app import build_app
+from art_backend.config import BackendSettings
+from art_backend.continuation import TokenContinuations, turn_bytes
 from art_backend.engine.torch_engine import TorchEngine
 from art_backend.training.tokenize import TokenizeStats, tokenize_trajectory
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -206,20 +209,30 @@ def test_the_longest_remembered_turn_wins(smol_tokenizer: Any) -> None:
     assert store.tokenize("get_time weather") == ids_of(smol_tokenizer, "get_time weather")  # nothing starts it
 
 
-def test_the_token_budget_evicts_the_least_recently_used_turn(smol_tokenizer: Any) -> None:
+def test_the_byte_budget_evicts_the_least_recently_used_turn(smol_tokenizer: Any) -> None:
     turns = {city: ids_of(smol_tokenizer, "<|im_start|>", city[:2], city[2:]) for city in ("Paris", "Rome", "Oslo")}
-    store = TokenContinuations(smol_tokenizer, max_tokens=len(turns["Paris"]) + len(turns["Rome"]))
+    sizes = {city: turn_bytes(f"<|im_start|>{city}", array("i", ids)) for city, ids in turns.items()}
+    store = TokenContinuations(smol_tokenizer, budget_bytes=sizes["Paris"] + sizes["Rome"])
     store.remember(turns["Paris"][:1], turns["Paris"][1:])
     store.remember(turns["Rome"][:1], turns["Rome"][1:])
+    assert store.bytes_held == sizes["Paris"] + sizes["Rome"]
     assert store.tokenize("<|im_start|>Paris!")[:3] == turns["Paris"]  # Paris is now the most recently used
     store.remember(turns["Oslo"][:1], turns["Oslo"][1:])
 
-    assert len(store) == 2 and store.tokens_held <= store.max_tokens
+    assert len(store) == 2 and store.bytes_held == sizes["Paris"] + sizes["Oslo"] <= store.budget_bytes
     assert store.tokenize("<|im_start|>Rome!") == ids_of(smol_tokenizer, "<|im_start|>Rome!")  # evicted
     assert store.tokenize("<|im_start|>Paris!")[:3] == turns["Paris"]
     assert store.tokenize("<|im_start|>Oslo!")[:3] == turns["Oslo"]
-    store.remember(ids_of(smol_tokenizer, "a" * 40), ids_of(smol_tokenizer, "b"))  # more than the whole budget
-    assert len(store) == 2
+    store.remember(ids_of(smol_tokenizer, "a" * 400), ids_of(smol_tokenizer, "b"))  # more than the whole budget
+    assert len(store) == 2 and store.bytes_held == sizes["Paris"] + sizes["Oslo"]  # kept out, evicting nothing
+
+
+def test_the_continuation_budget_is_a_setting(tiny_model_dir: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ART_BACKEND_CONTINUATIONS_BYTES", "12345")
+    monkeypatch.setenv("ART_BACKEND_ENGINE", "torch")
+    app = build_app(BackendSettings(model=str(tiny_model_dir), art_dir=tmp_path))
+    assert app.state.chat.continuations.budget_bytes == 12345
 
 
 def test_a_continuation_that_would_change_the_text_falls_back_to_plain_tokenization() -> None:
@@ -243,7 +256,7 @@ def test_a_continuation_that_would_change_the_text_falls_back_to_plain_tokenizat
 
 
 def test_concurrent_remember_and_tokenize_stay_consistent(smol_tokenizer: Any) -> None:
-    store = TokenContinuations(smol_tokenizer, max_tokens=400)
+    store = TokenContinuations(smol_tokenizer, budget_bytes=4000)
     errors: list[BaseException] = []
 
     def worker(n: int) -> None:
@@ -262,4 +275,4 @@ def test_concurrent_remember_and_tokenize_stay_consistent(smol_tokenizer: Any) -
     for thread in threads:
         thread.join()
     assert not errors
-    assert 0 < store.tokens_held <= store.max_tokens and len(store) > 1
+    assert 0 < store.bytes_held <= store.budget_bytes and len(store) > 1

@@ -39,9 +39,9 @@ CONFIG = TrainConfig(learning_rate=1e-3)
 def backend_process(art_dir: Path, kill_at: str | None = None) -> Iterator[subprocess.Popen[bytes]]:
     """`art-backend serve` on the tiny model, as a process of its own; up when yielded."""
     port = free_port()
-    env = {key: value for key, value in os.environ.items() if key != "ART_BACKEND_KILL_AT"}
+    env = {key: value for key, value in os.environ.items() if key != "ART_TEST_KILL_AT"}
     if kill_at is not None:
-        env["ART_BACKEND_KILL_AT"] = kill_at
+        env["ART_TEST_KILL_AT"] = kill_at
     log = (art_dir.parent / f"backend-{port}.log").open("wb")
     process = subprocess.Popen([sys.executable, "-m", "art_backend", "serve", "--model", TINY, "--art-dir",
                                 str(art_dir), "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -6,8 +6,10 @@ backend picks and configures an engine."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -158,6 +160,17 @@ def test_auto_picks_the_torch_engine_without_a_gpu() -> None:
     assert choose_engine("vllm") == ("vllm", "asked for")
 
 
+def test_auto_picks_vllm_where_a_gpu_and_vllm_are_both_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "vllm" else find_spec(name))
+    assert choose_engine("auto") == (
+        "torch", "auto: CUDA GPU but vLLM is not installed (pip install 'art-backend[vllm]')")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: find_spec("json" if name == "vllm" else name))
+    assert choose_engine("auto") == ("vllm", "auto: CUDA GPU and vLLM")
+    assert choose_engine("torch") == ("torch", "asked for")
+
+
 def test_unknown_engine_settings_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="'tensorrt'"):
         LocalBackend(engine="tensorrt")
@@ -167,6 +180,16 @@ def test_unknown_engine_settings_are_refused_by_name() -> None:
         result = subprocess.run([sys.executable, "-m", "art_backend", "serve", *args],
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode != 0 and expected in result.stderr, result.stderr
+
+
+def test_a_misspelt_backend_setting_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"Not backend settings: max_lora\b.*max_loras"):
+        BackendSettings(max_lora=8)
+    result = subprocess.run([sys.executable, "-m", "art_backend", "serve", "--port", "1"], capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "ART_BACKEND_MAX_LORA": "8"})
+    assert result.returncode != 0 and "ART_BACKEND_MAX_LORA" in result.stderr, result.stderr
+    monkeypatch.setenv("ART_BACKEND_MAX_LORAS", "3")
+    assert BackendSettings().max_loras == 3
 
 
 @pytest.mark.vllm

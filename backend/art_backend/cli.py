@@ -139,7 +139,10 @@ def view(
     conversations and the trained tokens."""
     overrides = {k: v for k, v in {"art_dir": art_dir, "model": model, "cache_dir": cache_dir,
                                    "api_key": api_key}.items() if v is not None}
-    settings = BackendSettings(**overrides)
+    try:
+        settings = BackendSettings(**overrides)
+    except ValidationError as error:
+        raise typer.BadParameter(str(error)) from None
     require_key_off_loopback(host, settings.api_key, "viewer")
     from art_backend.viewer import Tokenizers, create_viewer_app
     from art_backend.viewer.store import ArtStore, NotInStore

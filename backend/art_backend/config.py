@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -14,7 +15,21 @@ def default_cache_dir() -> Path:
 
 
 class BackendSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ART_BACKEND_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="ART_BACKEND_", extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_settings_only(cls, data: Any) -> Any:
+        """A misspelt setting, as an argument or an ART_BACKEND_* variable, is refused by name
+        (pydantic-settings would ignore such a variable)."""
+        unknown = sorted(set(data) - set(cls.model_fields)) if isinstance(data, dict) else []
+        unknown += sorted(key for key in os.environ if key.upper().startswith("ART_BACKEND_")
+                          and key[len("ART_BACKEND_"):].lower() not in cls.model_fields)
+        if unknown:
+            raise ValueError(f"Not backend settings: {', '.join(unknown)}. The settings are: "
+                             f"{', '.join(cls.model_fields)} (as ART_BACKEND_<NAME> variables too; "
+                             "`art-backend serve --help`).")
+        return data
 
     model: str | None = Field(
         default=None,
@@ -54,6 +69,9 @@ class BackendSettings(BaseSettings):
     token_records_bytes: int = Field(
         default=256 << 20, ge=0, description="Memory for the exact tokens of recent replies kept for callback "
         "handlers to fetch (`return_token_ids`; least recently added out).")
+    continuations_bytes: int = Field(
+        default=16 << 20, ge=0, description="Memory for the text and ids of recent turns, so a prompt that replays "
+        "one keeps its exact ids (token-in continuation; least recently used out).")
     dtype: Literal["float32", "bfloat16"] = Field(
         default="float32", description="CPU: the serving forward's weights and matmuls. bfloat16 is ~1.2x faster "
         "on CPUs with AVX512-BF16 or AMX for weights that are not exact integer groups (the embedded model's are, "

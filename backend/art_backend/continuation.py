@@ -24,6 +24,7 @@ when a choice finishes.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from array import array
 from collections import OrderedDict
@@ -34,31 +35,36 @@ from art_backend.chat_format import encode_prompt
 
 logger = logging.getLogger(__name__)
 
-# Ids are kept as 4-byte ints and text as a str (about 4 bytes per token for ASCII-ish text):
-# some 16 MiB for the default budget, room for hundreds of multi-turn conversations in flight.
-DEFAULT_MAX_TOKENS = 2**21
+# 16 MiB: room for hundreds of multi-turn conversations in flight (a turn of 2,000 tokens takes
+# about 16 KiB: 4 bytes an id, and its text).
+DEFAULT_BUDGET_BYTES = 16 << 20
+
+
+def turn_bytes(text: str, ids: array[int]) -> int:
+    """What a remembered turn holds: its ids (4 bytes each) and its text as Python stores it."""
+    return ids.itemsize * len(ids) + sys.getsizeof(text)
 
 
 class TokenContinuations:
     """Recent turns (prompt + completion) by their text, for prompts that continue them.
 
-    Bounded by the number of token ids held (least recently used turns go first); safe to call
-    from several threads.
+    Bounded by the bytes held (least recently used turns go first); safe to call from several
+    threads.
     """
 
-    def __init__(self, tokenizer: Any, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+    def __init__(self, tokenizer: Any, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
         self._tokenizer = tokenizer
-        self.max_tokens = max_tokens
+        self.budget_bytes = budget_bytes
         self._turns: OrderedDict[str, array[int]] = OrderedDict()  # text -> the ids it was made of
-        self._tokens = 0
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._turns)
 
     @property
-    def tokens_held(self) -> int:
-        return self._tokens
+    def bytes_held(self) -> int:
+        return self._bytes
 
     def decode(self, ids: Sequence[int]) -> str:
         """Exactly the text `ids` stand for: special tokens kept, no clean-up of spaces."""
@@ -68,18 +74,21 @@ class TokenContinuations:
         """Keep a finished choice, so a prompt that replays it continues its exact ids."""
         ids = array("i", prompt_ids)
         ids.extend(completion_ids)
-        if not completion_ids or len(ids) > self.max_tokens:
+        if not completion_ids or ids.itemsize * len(ids) > self.budget_bytes:
             return
         text = self.decode(ids)  # outside the lock: the costly part
+        size = turn_bytes(text, ids)
+        if size > self.budget_bytes:
+            return
         with self._lock:
             # Same text, other ids (two samples that split one reply differently): keep the latest.
             previous = self._turns.pop(text, None)
-            self._tokens -= len(previous) if previous is not None else 0
+            self._bytes -= turn_bytes(text, previous) if previous is not None else 0
             self._turns[text] = ids
-            self._tokens += len(ids)
-            while self._tokens > self.max_tokens:
-                _, evicted = self._turns.popitem(last=False)
-                self._tokens -= len(evicted)
+            self._bytes += size
+            while self._bytes > self.budget_bytes:
+                evicted_text, evicted = self._turns.popitem(last=False)
+                self._bytes -= turn_bytes(evicted_text, evicted)
 
     def tokenize(self, text: str) -> list[int]:
         """`text`'s prompt ids: a remembered turn's exact ids for the longest part of `text` that

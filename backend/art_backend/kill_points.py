@@ -1,5 +1,5 @@
 """Moments at which a crash test may kill the backend outright (SIGKILL: no cleanup, as the OOM
-killer or a power cut would), to check that a restart recovers. `ART_BACKEND_KILL_AT` names them,
+killer or a power cut would), to check that a restart recovers. `ART_TEST_KILL_AT` names them,
 comma-separated; unset (always, outside such tests) `kill_point` does nothing.
 """
 
@@ -17,9 +17,9 @@ MOMENTS = (
     "step_published",        # everything is on disk; the new checkpoint is not yet served
 )
 
-_KILL_AT = frozenset(name for name in os.environ.get("ART_BACKEND_KILL_AT", "").split(",") if name)
+_KILL_AT = frozenset(name for name in os.environ.get("ART_TEST_KILL_AT", "").split(",") if name)
 if not _KILL_AT <= set(MOMENTS):
-    raise RuntimeError(f"ART_BACKEND_KILL_AT names unknown moments {sorted(_KILL_AT - set(MOMENTS))}; "
+    raise RuntimeError(f"ART_TEST_KILL_AT names unknown moments {sorted(_KILL_AT - set(MOMENTS))}; "
                        f"known: {', '.join(MOMENTS)}")
 
 

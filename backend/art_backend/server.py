@@ -28,7 +28,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from art_backend.chat_format import ChatFormatError, ChatFormatter, ParsedOutput, ToolCallStreamFilter
-from art_backend.continuation import TokenContinuations
+from art_backend.continuation import DEFAULT_BUDGET_BYTES, TokenContinuations
 from art_backend.engine.base import (
     ContextLengthError,
     Engine,
@@ -109,11 +109,12 @@ def reportable(logprob: float) -> float:
 class ChatService:
     """Turns chat requests into engine requests and engine output into OpenAI responses."""
 
-    def __init__(self, engine: Engine, token_records_bytes: int = 256 << 20) -> None:
+    def __init__(self, engine: Engine, token_records_bytes: int = 256 << 20,
+                 continuations_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
         self.engine = engine
         self.formatter = ChatFormatter(engine.tokenizer)
         self.records = TokenRecords(token_records_bytes)
-        self.continuations = TokenContinuations(engine.tokenizer)
+        self.continuations = TokenContinuations(engine.tokenizer, continuations_bytes)
         self._token_text = lru_cache(maxsize=65536)(self._decode_one)
         # no token is longer than this many characters, so longer texts can be refused untokenized
         self._longest_token = max(map(len, engine.tokenizer.get_vocab()))
@@ -419,9 +420,9 @@ async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, Any]
 
 def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutdown: bool = False,
                training: TrainingService | None = None, max_request_bytes: int = 64 << 20,
-               token_records_bytes: int = 256 << 20) -> FastAPI:
+               token_records_bytes: int = 256 << 20, continuations_bytes: int = DEFAULT_BUDGET_BYTES) -> FastAPI:
     """The HTTP app over `engine`; with `training`, also the /v1/training routes."""
-    service = ChatService(engine, token_records_bytes)
+    service = ChatService(engine, token_records_bytes, continuations_bytes)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -431,6 +432,7 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
 
     app = FastAPI(title="art-backend", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine
+    app.state.chat = service
     # inside the key check (added later, so outside): its 413 is raised where the body is read
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
 
