@@ -8,10 +8,12 @@ import ast
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import pexpect
 import pytest
 
@@ -80,9 +82,27 @@ def test_every_pattern_and_reward_writes_a_script_that_trains_a_step(tmp_path: P
     assert "checkpoint 1" in run.stdout  # a step, even where a judge dropped the group
     if reward == "programmatic":
         assert "groups trained 1/1" in run.stdout  # the random reward gives the group signal
-    again = subprocess.run([sys.executable, "train.py"], capture_output=True, text=True, cwd=tmp_path,
-                           env=_env(), timeout=900)  # resumes: nothing left to train
-    assert again.returncode == 0 and "step 1/1: reward mean" not in again.stdout
+    # run again with --serve: it resumes with nothing left to train, then serves the model until Ctrl-C
+    again = subprocess.Popen([sys.executable, "train.py", "--serve"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=_env())
+    try:
+        printed = []
+        for line in again.stdout or ():
+            printed.append(line)
+            if line.startswith("Inference URL: "):
+                break
+        assert printed and "(served until Ctrl-C)" in printed[-1], "".join(printed)[-3000:]
+        client = openai.OpenAI(base_url=printed[-1].split()[2], api_key="unused")
+        reply = client.chat.completions.create(model="agent-001", max_tokens=2,
+                                               messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        again.send_signal(signal.SIGINT)
+        rest, _ = again.communicate(timeout=120)
+    finally:
+        if again.poll() is None:
+            again.kill()
+    assert again.returncode == 0 and rest.rstrip().endswith("stopped"), rest[-3000:]
+    assert "step 1/1: reward mean" not in "".join(printed)
 
 
 def test_the_interactive_flow_asks_again_with_the_reason(tmp_path: Path) -> None:
@@ -159,16 +179,33 @@ def test_the_interactive_flow_asks_again_with_the_reason(tmp_path: Path) -> None
     (["--pattern", "agent", "--agent", "no_such_module:build"], "--agent: module 'no_such_module' is not found"),
     (["--pattern", "agent", "--agent", "just_a_module"], "--agent: 'just_a_module' is not module:function"),
     (["--pattern", "tools", "--tools", "TOOLS"], "--tools: TOOLS: the parameters of 'f' must be a JSON schema of type"),
+    (["--pattern", "tools", "--tools", "PROPERTIES"], "--tools: PROPERTIES: the \"properties\" of 'f' must map"),
+    (["--pattern", "tools", "--tools", "REQUIRED"], "--tools: REQUIRED: the \"required\" of 'f' must list names from"),
     (["--scenarios", "SCENARIOS"], "--scenarios: SCENARIOS line 1 has no \"prompt\" string"),
 ])
 def test_bad_flags_are_refused_by_name(tmp_path: Path, flags: list[str], says: str) -> None:
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]))
+    bad_properties, bad_required = tmp_path / "properties.json", tmp_path / "required.json"
+    bad_properties.write_text(json.dumps([{"name": "f", "parameters": {"type": "object", "properties": 5}}]))
+    bad_required.write_text(json.dumps([{"name": "f", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["town"]}}]))
     scenarios = tmp_path / "scenarios.jsonl"
     scenarios.write_text('{"question": "?"}\n{"prompt": "p"}\n')
-    flags = [{"TOOLS": str(tools), "SCENARIOS": str(scenarios)}.get(flag, flag) for flag in flags]
-    says = says.replace("TOOLS", str(tools)).replace("SCENARIOS", str(scenarios))
+    files = {"TOOLS": tools, "PROPERTIES": bad_properties, "REQUIRED": bad_required, "SCENARIOS": scenarios}
+    flags = [str(files[flag]) if flag in files else flag for flag in flags]
+    for placeholder, path in files.items():
+        says = says.replace(placeholder, str(path))
     with pytest.raises(SystemExit) as refused:
         main(["init", str(tmp_path / "train.py"), "--yes", *flags])
     assert says in str(refused.value)
     assert not (tmp_path / "train.py").exists()
+
+
+def test_nothing_is_written_when_one_of_the_files_exists(tmp_path: Path) -> None:
+    scenarios = tmp_path / "train_scenarios.jsonl"
+    scenarios.write_text("mine\n")
+    with pytest.raises(SystemExit) as refused:
+        main(["init", str(tmp_path / "train.py"), "--yes"])
+    assert f"{scenarios} exists: not overwritten" in str(refused.value)
+    assert not (tmp_path / "train.py").exists() and scenarios.read_text() == "mine\n"

@@ -58,8 +58,11 @@ def init(args: argparse.Namespace, read: Callable[[str], str] = input) -> int:
         agent_module = agent_path.stem
     text = render(answers, script, scenarios, agent_module)
     ast.parse(text, filename=str(script))  # never write a script that does not parse
-    for path, content in [(script, text), *extra.items()]:
-        if not _may_write(path, args.force, interactive, read):
+    files = [(script, text), *extra.items()]
+    # every file is asked about (or refused) before any is written: no half-written project
+    kept = {path for path, _ in files if not _may_write(path, args.force, interactive, read)}
+    for path, content in files:
+        if path in kept:
             print(f"kept {path} as it is")
             continue
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -150,6 +150,15 @@ def load_tools(tools: Any, where: str) -> list[dict[str, Any]]:
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict) or parameters.get("type") != "object":
             raise ValueError(f"{where}: the parameters of {name!r} must be a JSON schema of type object")
+        # The mistakes a hand-written schema makes, checked here (the client does not depend on
+        # jsonschema); the backend checks the rest when it compiles the tool's grammar.
+        properties, required = parameters.get("properties", {}), parameters.get("required", [])
+        if not isinstance(properties, dict) or not all(isinstance(p, dict) for p in properties.values()):
+            raise ValueError(f"{where}: the \"properties\" of {name!r} must map each argument to its JSON schema, "
+                             "e.g. {\"city\": {\"type\": \"string\"}}")
+        if not isinstance(required, list) or not all(isinstance(r, str) and r in properties for r in required):
+            raise ValueError(f"{where}: the \"required\" of {name!r} must list names from its \"properties\" "
+                             f"({', '.join(properties) or 'none'})")
         names.add(name)
         checked.append({"type": "function", "function": {**function, "parameters": parameters}})
     return checked

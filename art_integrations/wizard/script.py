@@ -80,6 +80,7 @@ GRPO training written by `art-integrations init` (pattern: {answers["pattern"]},
 
 Run it:
     {run}                             # starts a local backend; run again to resume
+    {run} --serve                     # then keeps serving the trained model (Ctrl-C stops)
     {run} --backend-url http://HOST:8000   # train on a backend running elsewhere
 
 This file is yours: edit the scenarios, the reward and the rollout below.
@@ -316,15 +317,17 @@ async def train(backend: LocalBackend | RemoteBackend) -> TrainableModel:
 
 
 CLOSING = '''
-async def main(backend_url: str | None) -> None:
+async def main(backend_url: str | None, serve: bool) -> None:
     backend = RemoteBackend(backend_url) if backend_url else LocalBackend(model=BASE_MODEL)
     async with backend:
         model = await train(backend)
         step = await model.get_step()
         url = f"{backend.base_url}/v1"
+        served = "while that backend runs" if backend_url else "until Ctrl-C" if serve else (
+            f"while this script runs: `python {Path(__file__).name} --serve` keeps it")
         print(f"""
 Trained model: {model.inference_name} (step {step}; every step is also served as {model.name}@<step>)
-Inference URL: {url}   (served while the backend runs: start it with `art-backend serve`)
+Inference URL: {url}   (served {served})
 
 With the openai SDK:
     from openai import OpenAI
@@ -335,12 +338,21 @@ With the openai SDK:
 With curl:
     curl {url}/chat/completions -H 'Content-Type: application/json' \\\\
       -d '{{"model": "{model.inference_name}", "messages": [{{"role": "user", "content": "..."}}]}}'
-""")
+""", flush=True)
+        if serve:
+            await asyncio.Event().wait()  # serves until Ctrl-C cancels this; the backend then closes
 '''
 
 ENTRY = '''
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend-url", help="a running art-backend (default: start one here)")
-    asyncio.run(main(parser.parse_args().backend_url))
+    parser.add_argument("--serve", action="store_true", help="after training, keep serving the model until Ctrl-C")
+    arguments = parser.parse_args()
+    if arguments.serve and arguments.backend_url:
+        parser.error("--serve keeps the backend this script starts; the one at --backend-url serves the model already")
+    try:
+        asyncio.run(main(arguments.backend_url, arguments.serve))
+    except KeyboardInterrupt:
+        print("stopped")
 '''
