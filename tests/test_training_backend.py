@@ -10,10 +10,40 @@ from pathlib import Path
 import pytest
 import torch
 
-from art_integrations import BackendError, GatheredGroups, LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
+from art_integrations import (BackendError, GatheredGroups, LocalBackend, RemoteBackend, TrainableModel, TrainConfig,
+                              Trajectory, TrajectoryGroup)
 from tests.conftest import ENGINES, scored_group
 
 TINY = "tiny-random-smollm2"
+
+
+async def test_two_clients_training_one_model_are_serialized_not_interleaved(tmp_path: Path) -> None:
+    """Two scripts (here two clients of one server) training the same model name at once: each
+    step trains on its own groups from the step before it, one after the other."""
+    art_dir = tmp_path / ".art"
+    backend = LocalBackend(model=TINY, engine="torch", art_dir=art_dir)
+    other = RemoteBackend(backend.base_url)
+    try:
+        first, second = TrainableModel(name="agent", project="demo"), TrainableModel(name="agent", project="demo")
+        await first.register(backend)
+        await second.register(other)
+        first_groups = [await scored_group(first, "first client", [0.0, 1.0])]
+        second_groups = [await scored_group(second, "second client", [0.0, 0.5])]
+        results = await asyncio.gather(first.train(first_groups, TrainConfig(learning_rate=1e-3)),
+                                       second.train(second_groups, TrainConfig(learning_rate=1e-3)))
+
+        assert sorted(r.step for r in results) == [1, 2]
+        directory = art_dir / "demo" / "models" / "agent"
+        history = [json.loads(line) for line in (directory / "history.jsonl").read_text().splitlines()]
+        by_step = {record["step"]: record for record in history if record["split"] == "train"}
+        for result, mean in zip(results, (0.5, 0.25)):  # each step recorded with its own client's groups
+            assert by_step[result.step]["reward/mean"] == pytest.approx(mean)
+        for step in (1, 2):  # step 2 continued step 1's optimizer: the steps ran one after the other
+            optimizer = torch.load(directory / "checkpoints" / f"{step:04d}" / "optimizer.pt", weights_only=True)
+            assert {float(s["step"]) for s in optimizer["state"].values()} == {float(step)}
+    finally:
+        await other.close()
+        await backend.close()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
