@@ -203,6 +203,30 @@ def test_vllm_engine_arguments_are_checked_before_vllm_starts(tiny_model_dir: Pa
         VLLMEngine(tiny_model_dir, max_lora_rank=24)
 
 
+@pytest.mark.vllm
+def test_vllm_starts_with_the_batch_limits_its_own_server_picks(tiny_model_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM picks max_num_seqs and max_num_batched_tokens by hardware and by who starts it; we
+    serve the OpenAI API, so ours must be the server's. An H100 picked 1024 and 8192 for the server
+    and left our engine on 128 and 2048; on a CPU both are 128 and 2048, so here the hardware's
+    table is replaced by one where they differ."""
+    pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from art_backend.engine.vllm_engine import VLLMEngine
+
+    server = UsageContext.OPENAI_API_SERVER
+    monkeypatch.setattr(AsyncEngineArgs, "get_batch_defaults",
+                        classmethod(lambda cls, world_size: ({server: 4096}, {server: 96})))
+    engine = VLLMEngine(tiny_model_dir)
+    try:
+        scheduler = engine._llm.vllm_config.scheduler_config
+        assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (96, 4096)
+    finally:
+        asyncio.run(engine.close())
+
+
 def test_asking_for_vllm_without_it_says_how_to_install_it(tiny_model_dir: Path) -> None:
     try:
         import vllm  # noqa: F401

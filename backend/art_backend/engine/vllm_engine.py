@@ -194,8 +194,13 @@ class VLLMEngine:
                     f", {args['gpu_memory_utilization']:.0%} of GPU memory" if self.on_gpu else "")
 
     async def _start(self, async_llm: Any) -> Any:
+        from vllm.usage.usage_lib import UsageContext
+
         self._train_lock = asyncio.Lock()
-        return async_llm.from_engine_args(self.engine_args)
+        # As vLLM's own OpenAI server starts it: the batch limits vLLM picks by hardware are the
+        # server's (on an H100: 1024 sequences and 8192 tokens per step; the engine context's
+        # fallback is 128 and 2048, which capped a GPU's rollouts at 128 in flight)
+        return async_llm.from_engine_args(self.engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
 
     # ----- bridging to the engine's loop --------------------------------------------------
 
