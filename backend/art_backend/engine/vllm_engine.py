@@ -134,11 +134,15 @@ class VLLMEngine:
         `vllm.AsyncEngineArgs` fields, passed through (they win over ours)."""
         vllm = import_vllm()
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.inputs.engine import tokens_input
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if max_lora_rank not in LORA_RANKS:
             raise ValueError(f"max_lora_rank={max_lora_rank}: vLLM takes one of {', '.join(map(str, LORA_RANKS))}.")
         self._vllm = vllm
+        # prompts go in as vLLM's engine input, already rendered: a plain {"prompt_token_ids": ...}
+        # is deprecated there (rendered again by vLLM, with a warning)
+        self._tokens_input = tokens_input
         self.model_dir = Path(model_dir)
         self.on_gpu = torch.cuda.is_available()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -290,7 +294,7 @@ class VLLMEngine:
 
         async def pump() -> None:
             try:
-                async for output in self._llm.generate({"prompt_token_ids": request.prompt_ids}, sampling,
+                async for output in self._llm.generate(self._tokens_input(request.prompt_ids), sampling,
                                                        uuid.uuid4().hex, lora_request=lora):
                     send([self._delta(o, params.top_logprobs, params.grammar is not None) for o in output.outputs])
             except asyncio.CancelledError:  # the caller went away: vLLM aborts the request
