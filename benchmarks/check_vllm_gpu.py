@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_serving import print_aligned
+
 from art_integrations import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
 
 # Qwen2.5's shapes (its configs on the hub); the vocabulary is the given tokenizer's
@@ -166,10 +168,12 @@ async def train_and_swap(backend: LocalBackend, args: argparse.Namespace, check:
             raise result
         failed = [a for a in answers if isinstance(a, BaseException)]
         check(f"step {result.step}: 8 requests sent during the step all answered", not failed, repr(failed[:1]))
+        newest_name = model.get_inference_name(result.step)
+        listed = newest_name in {m.id for m in (await client.models.list()).data}
         started = time.perf_counter()
-        newest = await greedy_ids(client, model.get_inference_name(result.step))
+        newest = await greedy_ids(client, newest_name)
         first_answer = time.perf_counter() - started
-        check(f"step {result.step}: served as agent@{result.step} as soon as train() returned", len(newest) == 32)
+        check(f"step {result.step}: served as {newest_name} as soon as train() returned", listed and len(newest) == 32)
         metrics = result.metrics
         rows.append({
             "step": result.step, "reward_mean": metrics["reward/mean"], "rollout_s": rollout_seconds,
@@ -185,12 +189,10 @@ async def train_and_swap(backend: LocalBackend, args: argparse.Namespace, check:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    header = ["step", "reward_mean", "rollout_s", "train_call_s", "step_s", "sleep_s", "wake_s", "commit_and_swap_s",
-              "first_answer_s", "tokens", "groups_trained"]
-    cells = [[f"{row[k]:.3f}" if isinstance(row[k], float) else str(row[k]) for k in header] for row in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
-    for line in [header, *cells]:
-        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+    header = ("step", "reward_mean", "rollout_s", "train_call_s", "step_s", "sleep_s", "wake_s", "commit_and_swap_s",
+              "first_answer_s", "tokens", "groups_trained")
+    print_aligned(header, [tuple(f"{row[k]:.3f}" if isinstance(row[k], float) else str(row[k]) for k in header)
+                           for row in rows])
 
 
 async def main_async(args: argparse.Namespace) -> int:
