@@ -173,7 +173,8 @@ def test_fused_sampling_draws_what_the_torch_sampler_draws() -> None:
 
     fused, plain = sample(logits, rows(), kernels=kernels), sample(logits, rows())
     assert fused.token_ids == plain.token_ids
-    assert fused.logprobs == pytest.approx(plain.logprobs, abs=1e-5)
+    # float32 log-sum-exps over 49,152 logits summed in another order: 1.6e-5 apart seen on an AMD EPYC
+    assert fused.logprobs == pytest.approx(plain.logprobs, abs=1e-4)
     assert len(set(fused.token_ids[1::4])) > 8  # sampled rows really draw (not all argmax)
 
 
