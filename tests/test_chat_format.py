@@ -5,14 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from art_backend.chat_format import (
-    TOOL_CALL_CLOSE,
-    TOOL_CALL_OPEN,
-    ChatFormatError,
-    ChatFormatter,
-    ToolCallStreamFilter,
-    new_tool_call_id,
-)
+from art_backend.chat_format import ChatFormatError, ChatFormatter, Prompt, ReplyStream
+from art_backend.tool_formats import new_tool_call_id
+from art_backend.tool_formats.hermes import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 
 WEATHER_TOOL = {
@@ -63,6 +58,10 @@ def fmt(tokenizer) -> ChatFormatter:
 
 def _call(name: str, arguments: dict) -> str:
     return f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{TOOL_CALL_CLOSE}"
+
+
+def _stream(fmt: ChatFormatter) -> ReplyStream:
+    return ReplyStream(fmt, Prompt(""), tools=[WEATHER_TOOL])
 
 
 def test_smollm2_has_no_native_tools(fmt):
@@ -190,8 +189,8 @@ def test_parse_bad_json_keeps_raw_text(fmt):
 
 def test_stream_filter_holds_back_markup(fmt):
     text = "Let me check.\n" + _call("get_weather", {"city": "Paris"})
-    stream = ToolCallStreamFilter(fmt)
-    emitted = "".join(stream.feed(ch) for ch in text)
+    stream = _stream(fmt)
+    emitted = "".join(stream.feed(ch)[1] for ch in text)
     assert emitted == "Let me check."
     result = stream.finish()
     assert result.content is None and result.parse_error is None
@@ -200,8 +199,8 @@ def test_stream_filter_holds_back_markup(fmt):
 
 def test_stream_filter_releases_lookalikes(fmt):
     text = "a < b and <tool is not <tool_call, ok <to"
-    stream = ToolCallStreamFilter(fmt)
-    emitted = "".join(stream.feed(text[i : i + 3]) for i in range(0, len(text), 3))
+    stream = _stream(fmt)
+    emitted = "".join(stream.feed(text[i : i + 3])[1] for i in range(0, len(text), 3))
     result = stream.finish()
     assert emitted + (result.content or "") == text
     assert result.tool_calls == [] and result.parse_error is None
@@ -209,8 +208,8 @@ def test_stream_filter_releases_lookalikes(fmt):
 
 def test_stream_filter_bad_markup_returns_held_text(fmt):
     text = "Hi <tool_call>{not json"
-    stream = ToolCallStreamFilter(fmt)
-    emitted = stream.feed(text)
+    stream = _stream(fmt)
+    _, emitted = stream.feed(text)
     result = stream.finish()
     assert emitted == "Hi" and result.content == " <tool_call>{not json"
     assert result.parse_error is not None and result.tool_calls == []

@@ -1,61 +1,48 @@
-"""OpenAI chat messages to prompt text/ids, and the model's tool-call markup back to `tool_calls`.
+"""OpenAI chat messages to prompt text/ids through the model's chat template, and replies back to
+`content`, `reasoning_content` and `tool_calls` in the model family's own markup (`tool_formats/`).
 
-Tool calls use the Hermes/Qwen markup: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
-Templates that handle `tools` themselves (Qwen2.5/3) get the tools as-is; for templates that
-don't (SmolLM2) the tools block and tool turns are written into plain system/user/assistant turns.
+Templates that handle `tools` themselves (Qwen2.5/3, Llama 3.x, Mistral) get the tools and tool
+turns as-is and their family's markup is read back; for templates that don't (SmolLM2) the tools
+block and tool turns are written into plain system/user/assistant turns in Hermes markup.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
-import string
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
+import jinja2
+
+from art_backend.grammar import tool_call_grammar
+from art_backend.tool_formats import (
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    ParsedOutput,
+    ReasoningStream,
+    ThinkReasoning,
+    ToolCallFormat,
+    reasoning_parser_for,
+    tool_call_parser_for,
+)
+from art_backend.tool_formats.hermes import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOLS_INSTRUCTIONS, TOOLS_PREAMBLE
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-_ID_ALPHABET = string.ascii_letters + string.digits
-_TOOLS_PREAMBLE = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-)
-_TOOLS_INSTRUCTIONS = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-)
 _FUNCTION_SHAPE = "{'type': 'function', 'function': {'name': ..., ...}}"
+# what the template is given by the server itself, never by a request's chat_template_kwargs
+_RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
+                                      "documents", "tokenize"})
 
 
 class ChatFormatError(ValueError):
-    """A request's messages, tools or tool_choice cannot be rendered."""
-
-
-@dataclass(frozen=True)
-class ParsedToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text of an object, as OpenAI sends it
-
-
-@dataclass(frozen=True)
-class ParsedOutput:
-    content: str | None
-    tool_calls: list[ParsedToolCall]
-    parse_error: str | None
+    """A request's messages, tools, tool_choice or template arguments cannot be rendered."""
 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     """Prompt text -> ids. The template already wrote any BOS; letting the tokenizer add one would double it."""
     return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def new_tool_call_id() -> str:
-    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
 def _dumps(value: Any) -> str:
@@ -125,104 +112,76 @@ def _function_name(tool: Any) -> str:
     return function["name"]
 
 
-def _not_json(constant: str) -> Any:
-    raise ValueError(f"{constant} is not JSON")
+
+@dataclass(frozen=True)
+class Prompt:
+    """A rendered prompt, and whether it left a reasoning block open (True), closed an empty one
+    (False: thinking is off) or left it to the reply (None)."""
+
+    text: str
+    reasoning_opened: bool | None = None
 
 
-_JSON = json.JSONDecoder()
-_STRICT_JSON = json.JSONDecoder(parse_constant=_not_json)  # no NaN or Infinity: strict clients refuse them
-_SPACE = re.compile(r"[ \t\n\r]*")
-
-
-def _member_texts(text: str) -> dict[str, str]:
-    """The members of the JSON object `text`, each value as the JSON text it was written as
-    (the standard decoder tells where a value ends, not where it starts)."""
-    position = _SPACE.match(text).end()  # type: ignore[union-attr]
-    if text[position:position + 1] != "{":
-        raise ValueError("expected a JSON object")
-    members: dict[str, str] = {}
-    position = _SPACE.match(text, position + 1).end()  # type: ignore[union-attr]
-    closed = text[position:position + 1] == "}"
-    while not closed:
-        key, position = _STRICT_JSON.raw_decode(text, position)
-        position = _SPACE.match(text, position).end()  # type: ignore[union-attr]
-        if not isinstance(key, str) or text[position:position + 1] != ":":
-            raise ValueError("expected a string key and a colon")
-        start = _SPACE.match(text, position + 1).end()  # type: ignore[union-attr]
-        _, position = _STRICT_JSON.raw_decode(text, start)
-        members[key] = text[start:position]
-        position = _SPACE.match(text, position).end()  # type: ignore[union-attr]
-        separator = text[position:position + 1]
-        if separator not in (",", "}"):
-            raise ValueError("expected a comma or the end of the object")
-        closed = separator == "}"
-        position = _SPACE.match(text, position + 1).end()  # type: ignore[union-attr]
-    if position != len(text):
-        raise ValueError("text after the JSON object")
-    return members
-
-
-def _parse_call_body(body: str) -> ParsedToolCall:
-    """A call as the model wrote it: its arguments keep their exact JSON text (a number such as
-    69E25 stays so; re-encoding would spell it 6.9e+26 and the next prompt would no longer
-    repeat the model's tokens)."""
-    try:
-        members = _member_texts(body)
-        name = json.loads(members.get("name", "null"))
-    except json.JSONDecodeError as error:
-        raise ValueError(str(error)) from None
-    if not isinstance(name, str) or not name:
-        raise ValueError('expected {"name": "...", "arguments": {...}}')
-    arguments = members.get("arguments", members.get("parameters", "{}"))
-    value = _STRICT_JSON.decode(arguments)
-    if isinstance(value, str):  # arguments written as a string of JSON
-        arguments, value = value, _STRICT_JSON.decode(value)
-    if not isinstance(value, dict):
-        raise ValueError(f"arguments must be a JSON object, got {type(value).__name__}")
-    return ParsedToolCall(new_tool_call_id(), name, arguments)
-
-
-def _call_block(text: str, body_start: int) -> tuple[str, int]:
-    """The body of the tool-call block opening at `body_start`, and where the block ends.
-
-    The body is read as JSON first, so a "</tool_call>" inside a string argument does not end
-    it; a body that is not JSON ends at the first close tag (and then fails to parse, flagged).
-    An unclosed last block is normal: generation stops at end-of-turn after the JSON."""
-    json_start = len(text) - len(text[body_start:].lstrip())
-    try:
-        _, json_end = _JSON.raw_decode(text, json_start)
-    except json.JSONDecodeError:
-        json_end = -1
-    if json_end != -1:
-        after = text[json_end:].lstrip()
-        if after.startswith(TOOL_CALL_CLOSE):
-            return text[body_start:json_end], len(text) - len(after) + len(TOOL_CALL_CLOSE)
-        if not after:
-            return text[body_start:json_end], len(text)
-    end = text.find(TOOL_CALL_CLOSE, body_start)
-    return (text[body_start:], len(text)) if end == -1 else (text[body_start:end], end + len(TOOL_CALL_CLOSE))
+# Readers of whole replies: ours, or vLLM's of the same names (see tool_formats/vllm_parsers.py).
+# A tool-call parser gets the reply's text and the request's tools.
+ToolCallParser = Callable[[str, Sequence[dict]], ParsedOutput]
+ReasoningParser = Callable[[str, bool | None], tuple[str | None, str | None]]
 
 
 class ChatFormatter:
-    def __init__(self, tokenizer: Any) -> None:
+    """Renders prompts with the model's chat template and reads replies in its family's markup.
+
+    `tool_call_parser` and `reasoning_parser` take vLLM's names ("hermes", "llama3_json",
+    "mistral"; "qwen3", "deepseek_r1"); None picks them from the chat template."""
+
+    def __init__(self, tokenizer: Any, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         template = getattr(tokenizer, "chat_template", None)
         if not template:
             raise ChatFormatError("the tokenizer has no chat_template; use an instruct/chat model")
         self._tokenizer = tokenizer
-        self.supports_tools_natively: bool = "tools" in str(template)
+        self._template = str(template)
+        self.supports_tools_natively: bool = "tools" in self._template
+        self.tool_call_parser = tool_call_parser_for(self._template, tool_call_parser)
+        if not self.supports_tools_natively and self.tool_call_parser != "hermes":
+            raise ChatFormatError(
+                f"tool_call_parser={self.tool_call_parser!r}: this model's chat template renders no tools, so "
+                "they are taught in Hermes markup (<tool_call>); leave tool_call_parser unset or use 'hermes'.")
+        self.tool_format: ToolCallFormat = TOOL_CALL_PARSERS[self.tool_call_parser]()
+        self.reasoning_parser = reasoning_parser_for(self._template, reasoning_parser)
+        self.reasoning: ThinkReasoning | None = (
+            REASONING_PARSERS[self.reasoning_parser]() if self.reasoning_parser else None)
+        self._added_tokens: dict[str, int] = dict(tokenizer.get_added_vocab())
+        self.parse_tool_calls: ToolCallParser = lambda text, tools: self.tool_format.parse(text)
+        self.split_reasoning: ReasoningParser = self._split_reasoning
 
     def render(
         self,
         messages: list[dict],
         tools: list[dict] | None = None,
         tool_choice: str | dict | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
+        return self.render_prompt(messages, tools, tool_choice, template_kwargs).text
+
+    def render_prompt(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> Prompt:
         self.required_tools(tools, tool_choice)  # validates tool_choice against tools
+        kwargs = self._template_kwargs(template_kwargs or {})
         if self.supports_tools_natively:
             hf_messages = [self._native_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
-            hf_tools = [tool.get("function", tool) for tool in tools] if tools else None
-            return self._apply_template(hf_messages, tools=hf_tools)
-        return self._apply_template(self._hermes_messages(messages, tools))
+            hf_messages = self.tool_format.prepare_messages(hf_messages)
+            if tools:  # in OpenAI's shape, as vLLM passes them (Mistral's template reads `tool.function`)
+                kwargs["tools"] = [{"type": "function", "function": tool.get("function", tool)} for tool in tools]
+            text = self._apply_template(hf_messages, **kwargs)
+        else:
+            text = self._apply_template(self._hermes_messages(messages, tools), **kwargs)
+        return Prompt(text, self.reasoning.opened_by(text) if self.reasoning else None)
 
     def render_ids(
         self,
@@ -252,36 +211,61 @@ class ChatFormatter:
             raise ChatFormatError(f"tool_choice names {function['name']!r}, which is not in `tools`")
         return chosen
 
-    def parse(self, text: str) -> ParsedOutput:
-        outside: list[str] = []
-        calls: list[ParsedToolCall] = []
-        pos = 0
-        while (start := text.find(TOOL_CALL_OPEN, pos)) != -1:
-            outside.append(text[pos:start])
-            body, pos = _call_block(text, start + len(TOOL_CALL_OPEN))
-            try:
-                calls.append(_parse_call_body(body))
-            except ValueError as exc:
-                return ParsedOutput(text, [], f"tool call {len(calls) + 1} did not parse: {exc}")
-        if not calls:
-            return ParsedOutput(text, [], None)
-        outside.append(text[pos:])
-        return ParsedOutput("".join(outside).strip() or None, calls, None)
+    def call_grammar(self, required: list[dict], parallel: bool, prompt: Prompt) -> str:
+        """The grammar of a reply that calls `required` in this family's markup (after any
+        reasoning the model writes first, as vLLM applies structure only once reasoning ends)."""
+        reasoning = None
+        if self.reasoning is not None and prompt.reasoning_opened is not False:
+            reasoning = (self.reasoning.start, self.reasoning.end, prompt.reasoning_opened is True)
+        return tool_call_grammar(required, parallel and self.tool_format.parallel_calls, self.tool_format.markup,
+                                 self._added_tokens, reasoning)
+
+    def parse(self, text: str, prompt: Prompt | None = None, tools: Sequence[dict] | None = ()) -> ParsedOutput:
+        """A whole reply -> reasoning (where the family writes it), content and the calls of `tools`
+        (None: a reply not read for calls)."""
+        reasoning, content = self.split_reasoning(text, prompt.reasoning_opened if prompt else None)
+        if content is None:  # cut off while reasoning
+            return ParsedOutput(None, [], None, reasoning or None)
+        parsed = self.parse_tool_calls(content, tools) if tools is not None else ParsedOutput(content, [], None)
+        return ParsedOutput(parsed.content, parsed.tool_calls, parsed.parse_error, reasoning or None)
+
+    def _split_reasoning(self, text: str, opened: bool | None) -> tuple[str | None, str | None]:
+        return self.reasoning.split(text, opened) if self.reasoning is not None else (None, text)
+
+    def _template_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A request's `chat_template_kwargs`, each one a name the template reads (else it would be
+        ignored without a word)."""
+        reserved = sorted(_RESERVED_TEMPLATE_NAMES & set(kwargs))
+        if reserved:
+            raise ChatFormatError(f"chat_template_kwargs cannot set {', '.join(reserved)}: the request's own "
+                                  "fields say that.")
+        unread = sorted(name for name in kwargs if not re.search(rf"\b{re.escape(name)}\b", self._template))
+        if unread:
+            raise ChatFormatError(f"chat_template_kwargs {', '.join(unread)}: this model's chat template reads no "
+                                  "such name, so it would have no effect. Leave it out.")
+        return dict(kwargs)
 
     def _apply_template(self, messages: list[dict], **kwargs: Any) -> str:
-        return self._tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **kwargs
-        )
+        try:
+            return self._tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **kwargs
+            )
+        except jinja2.TemplateError as error:  # the template's own raise_exception, e.g. roles out of order
+            raise ChatFormatError(f"The model's chat template refused these messages: {error}") from None
 
     def _native_message(self, message: dict, where: str) -> dict:
         role = _role(message, where)
         out: dict[str, Any] = {"role": role, "content": _text_content(message.get("content"), where)}
-        if role == "assistant" and message.get("tool_calls"):
-            out["tool_calls"] = []
-            for j, call in enumerate(message["tool_calls"]):
-                name, _, arguments = _call_arguments(call, f"{where}.tool_calls[{j}]")
-                hf_call = {"type": "function", "function": {"name": name, "arguments": arguments}}
-                out["tool_calls"].append({"id": call["id"], **hf_call} if call.get("id") else hf_call)
+        if role == "assistant":
+            reasoning = message.get("reasoning_content", message.get("reasoning"))
+            if isinstance(reasoning, str):
+                out["reasoning_content"] = reasoning
+            if message.get("tool_calls"):
+                out["tool_calls"] = []
+                for j, call in enumerate(message["tool_calls"]):
+                    name, _, arguments = _call_arguments(call, f"{where}.tool_calls[{j}]")
+                    hf_call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+                    out["tool_calls"].append({"id": call["id"], **hf_call} if call.get("id") else hf_call)
         if role == "tool" and message.get("tool_call_id"):
             out["tool_call_id"] = message["tool_call_id"]
         return out
@@ -310,7 +294,7 @@ class ChatFormatter:
                 out.append({"role": role, "content": content})
             after_tool = role == "tool"
         if tools:
-            block = _TOOLS_PREAMBLE + "\n".join(map(_dumps, tools)) + _TOOLS_INSTRUCTIONS
+            block = TOOLS_PREAMBLE + "\n".join(map(_dumps, tools)) + TOOLS_INSTRUCTIONS
             # A system message of our own also keeps the template's default system prompt out.
             if out and out[0]["role"] == "system":
                 system = out[0]["content"]
@@ -320,38 +304,46 @@ class ChatFormatter:
         return out
 
 
-def _partial_open_len(text: str) -> int:
-    """Length of the longest suffix of `text` that could be the start of TOOL_CALL_OPEN."""
-    for size in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(TOOL_CALL_OPEN[:size]):
-            return size
-    return 0
+class ReplyStream:
+    """Feeds a streamed reply's text; returns the reasoning and content that are safe to send now,
+    holding back call markup (and what could begin it) until `finish` parses it."""
 
-
-class ToolCallStreamFilter:
-    """Feeds streamed completion text; returns the part that is safe to emit as `content` now,
-    holding back anything from the first "<tool_call>" (or a suffix that could start it, e.g. "<tool").
-    """
-
-    def __init__(self, formatter: ChatFormatter) -> None:
+    def __init__(self, formatter: ChatFormatter, prompt: Prompt, tools: Sequence[dict] | None) -> None:
         self._formatter = formatter
+        self._reasoning = ReasoningStream(formatter.reasoning, prompt.reasoning_opened) if formatter.reasoning else None
+        self._tools = tools
         self._text = ""
         self._emitted = 0
         self._in_markup = False
 
-    def feed(self, delta: str) -> str:
+    def feed(self, delta: str) -> tuple[str, str]:
+        """-> (reasoning delta, content delta)."""
+        reasoning, delta = self._reasoning.feed(delta) if self._reasoning else ("", delta)
+        return reasoning, self._content(delta)
+
+    def _content(self, delta: str) -> str:
         self._text += delta
+        if self._tools is None:
+            safe, self._emitted = self._text[self._emitted:], len(self._text)
+            return safe
         if self._in_markup:
             return ""
-        start = self._text.find(TOOL_CALL_OPEN, self._emitted)
-        self._in_markup = start != -1
-        end = start if self._in_markup else len(self._text) - _partial_open_len(self._text)
+        tool_format = self._formatter.tool_format
+        start = tool_format.markup_start(self._text)
+        self._in_markup = start is not None
+        end = start if start is not None else len(self._text) - tool_format.held_suffix(self._text)
         # Trailing whitespace waits too: parse() strips it from content before a tool call.
-        safe = self._text[self._emitted : end].rstrip()
+        safe = self._text[self._emitted:end].rstrip()
         self._emitted += len(safe)
         return safe
 
     def finish(self) -> ParsedOutput:
-        # What feed() emitted holds no markup, so parsing the held-back tail finds the same calls.
-        parsed = self._formatter.parse(self._text[self._emitted :])
-        return ParsedOutput(parsed.content or None, parsed.tool_calls, parsed.parse_error)
+        """What was held back, parsed: its reasoning, content and calls."""
+        reasoning, delta = self._reasoning.finish() if self._reasoning else ("", "")
+        self._content(delta)
+        held = self._text[self._emitted:]
+        if self._tools is None:
+            return ParsedOutput(held or None, [], None, reasoning or None)
+        parsed = (self._formatter.parse_tool_calls(held, self._tools) if held.strip()
+                  else ParsedOutput(held or None, [], None))
+        return ParsedOutput(parsed.content or None, parsed.tool_calls, parsed.parse_error, reasoning or None)

@@ -87,6 +87,12 @@ def serve(
         help="vLLM: copies of the model, each on its own GPUs, requests balanced across them.")] = None,
     vllm_engine_args: Annotated[Optional[str], typer.Option(
         help='vLLM: further AsyncEngineArgs as JSON, e.g. \'{"enforce_eager": true}\'.')] = None,
+    tool_call_parser: Annotated[Optional[str], typer.Option(
+        help="Tool-call markup, as vLLM names it: hermes, llama3_json or mistral (default: read from the chat "
+             "template). Env: ART_BACKEND_TOOL_CALL_PARSER.")] = None,
+    reasoning_parser: Annotated[Optional[str], typer.Option(
+        help="Reasoning markup, as vLLM names it: qwen3 or deepseek_r1 (default: read from the chat template). "
+             "Env: ART_BACKEND_REASONING_PARSER.")] = None,
 ) -> None:
     """Serve the model on HTTP until interrupted."""
     if dtype not in (None, "float32", "bfloat16"):
@@ -99,7 +105,8 @@ def serve(
         "art_dir": art_dir, "dtype": dtype, "max_request_bytes": max_request_bytes, "engine": engine, "gpu_memory_utilization": gpu_memory_utilization,
         "kv_cache_memory_bytes": kv_cache_memory_bytes, "max_loras": max_loras, "max_cpu_loras": max_cpu_loras,
         "max_lora_rank": max_lora_rank, "tensor_parallel_size": tensor_parallel_size,
-        "data_parallel_size": data_parallel_size,
+        "data_parallel_size": data_parallel_size, "tool_call_parser": tool_call_parser,
+        "reasoning_parser": reasoning_parser,
         "vllm_engine_args": _json_object(vllm_engine_args, "--vllm-engine-args")}.items() if v is not None}
     try:
         settings = BackendSettings(**overrides)

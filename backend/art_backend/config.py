@@ -81,6 +81,14 @@ class BackendSettings(BaseSettings):
         default=True, description="CPU: decode with fused C++ kernels (~1.25x faster steps), built once per "
         "machine (~20 s, needs a C++ compiler). false: plain torch ops only.")
 
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
+        default=None, description="The model family's tool-call markup, by vLLM's --tool-call-parser name. Default: "
+        "read from the chat template (Hermes <tool_call> for Qwen and templates without tools, JSON for Llama 3.x, "
+        "[TOOL_CALLS] for Mistral).")
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
+        default=None, description="The family's reasoning markup (<think>...</think>, returned as "
+        "reasoning_content), by vLLM's --reasoning-parser name. Default: read from the chat template.")
+
     # ----- the vLLM engine (vLLM's own names) -------------------------------------------
     gpu_memory_utilization: float | None = Field(
         default=None, gt=0, le=1, description="vLLM: the fraction of GPU memory it may take (weights and KV cache). "

@@ -11,12 +11,14 @@ builds matchers from it, and the vLLM engine hands the same text to vLLM's struc
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import llguidance
 import llguidance.hf
 
-from art_backend.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from art_backend.tool_formats.base import CallMarkup
 
 
 class GrammarError(ValueError):
@@ -40,7 +42,7 @@ def _rebased(value: Any, old: str, new: str) -> Any:
     return value
 
 
-def _call_schema(tool: dict[str, Any], index: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def _call_schema(tool: dict[str, Any], index: int, arguments_key: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The JSON schema of a call of `tool`, and the definitions its `$ref`s need, moved to the
     root of the grammar's schema (where `#/$defs/...` resolves) under names of this tool's own."""
     function = tool.get("function", tool)
@@ -56,26 +58,53 @@ def _call_schema(tool: dict[str, Any], index: int) -> tuple[dict[str, Any], dict
     # keeps inventing keys until it runs out of tokens (as OpenAI's strict mode, unless the
     # schema says otherwise).
     parameters.setdefault("additionalProperties", False)
-    return ({"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-             "required": ["name", "arguments"], "additionalProperties": False}, definitions)
+    return ({"type": "object", "properties": {"name": {"const": function["name"]}, arguments_key: parameters},
+             "required": ["name", arguments_key], "additionalProperties": False}, definitions)
 
 
 def _lark_string(text: str) -> str:
     return json.dumps(text)  # a lark string literal is a JSON string literal
 
 
-def tool_call_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
-    """Exactly the tool-call markup around a JSON call of one of `tools` (several if `parallel`)."""
-    calls = [_call_schema(tool, index) for index, tool in enumerate(tools)]
+def _lark_text(text: str, added_tokens: Mapping[str, int]) -> str:
+    """`text` as grammar items: the tokenizer's added tokens (`<tool_call>` in Qwen's, `[TOOL_CALLS]`
+    in Mistral's) as those very tokens, since a model writes them so and the grammar engine never
+    spells them from text, and the rest as text."""
+    found = [token for token in added_tokens if token and token in text]
+    if not found:
+        return _lark_string(text) if text else ""
+    pattern = re.compile("(" + "|".join(map(re.escape, sorted(found, key=len, reverse=True))) + ")")
+    items = [f"<[{added_tokens[part]}]>" if part in added_tokens else _lark_string(part)
+             for part in pattern.split(text) if part]
+    return " ".join(items)
+
+
+def tool_call_grammar(tools: list[dict[str, Any]], parallel: bool, markup: CallMarkup,
+                      added_tokens: Mapping[str, int], reasoning: tuple[str, str, bool] | None = None) -> str:
+    """Exactly a family's call markup around a JSON call of one of `tools` (several if `parallel`).
+    `reasoning` (start, end, already opened by the prompt) lets a reasoning block come first; its
+    markers must be single tokens, so that its free text cannot run past the end marker."""
+    calls = [_call_schema(tool, index, markup.arguments_key) for index, tool in enumerate(tools)]
     schemas = [schema for schema, _ in calls]
     schema = {**(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}), **_LAYOUT}
     definitions = {name: definition for _, found in calls for name, definition in found.items()}
     if definitions:
         schema["$defs"] = definitions
-    repeat = ' ("\\n" call)*' if parallel else ""
-    return (f"start: call{repeat}\n"
-            f"call: {_lark_string(TOOL_CALL_OPEN + chr(10))} body {_lark_string(chr(10) + TOOL_CALL_CLOSE)}\n"
-            f"body: %json {json.dumps(schema)}\n")
+    def items(*parts: str) -> str:
+        return " ".join(part for part in parts if part)
+
+    text = {field: _lark_text(getattr(markup, field), added_tokens)
+            for field in ("before", "open", "close", "between", "after")}
+    start = items(text["before"], "call", f"({items(text['between'], 'call')})*" if parallel else "", text["after"])
+    rules = [f"call: {items(text['open'], 'body', text['close'])}", f"body: %json {json.dumps(schema)}"]
+    if reasoning is not None:
+        begin, end, opened = reasoning
+        if begin in added_tokens and end in added_tokens:
+            opening = "" if opened else f"<[{added_tokens[begin]}]>"
+            # the space after it is bounded: a small model might never stop writing it
+            rules.append(f"think: {items(opening, '/(?s:.*)/', f'<[{added_tokens[end]}]>')} /[ \\t\\n]{{0,4}}/")
+            start = f"think{'' if opened else '?'} {start}"
+    return "\n".join([f"start: {start}", *rules]) + "\n"
 
 
 def _json_lark(schema: dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": (None,), "bad_words": (None, []), "echo": (None, False),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False),
     "add_special_tokens": (None, False), "documents": (None,), "chat_template": (None,),
-    "chat_template_kwargs": (None, {}), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structural_tag": (None,), "structured_outputs": (None,),
     "logits_processors": (None,), "return_tokens_as_token_ids": (None, False), "vllm_xargs": (None,),
 }
@@ -55,6 +55,9 @@ class ChatMessage(_Lenient):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # an earlier reply's reasoning, sent back as vLLM returned it (Qwen3's template renders it again)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class FunctionDefinition(_Lenient):
@@ -133,6 +136,9 @@ class ChatCompletionRequest(BaseModel):
                                    "(and the response's `prompt_token_ids`), kept for the callback handlers "
                                    "under the message id; false leaves them out (vLLM's default).")
     ignore_eos: bool = False
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="Extra names for the chat template, e.g. {\"enable_thinking\": false} for Qwen3; "
+        "a name the template does not read is refused.")
 
     @model_validator(mode="before")
     @classmethod

@@ -27,7 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from art_backend.chat_format import ChatFormatError, ChatFormatter, ParsedOutput, ToolCallStreamFilter
+from art_backend.chat_format import ChatFormatError, Prompt, ReplyStream
+from art_backend.tool_formats import ParsedOutput
 from art_backend.continuation import DEFAULT_BUDGET_BYTES, TokenContinuations
 from art_backend.engine.base import (
     ContextLengthError,
@@ -39,7 +40,7 @@ from art_backend.engine.base import (
     SequenceDelta,
     TokenLogprob,
 )
-from art_backend.grammar import GrammarError, json_grammar, tool_call_grammar
+from art_backend.grammar import GrammarError, json_grammar
 from art_backend.training.routes import training_router
 from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.service import TrainingRequestError, TrainingService, UnknownModelError
@@ -56,7 +57,14 @@ class UnsupportedFeatureError(ValueError):
 class _Prepared:
     body: ChatCompletionRequest
     generation: GenerationRequest
-    parse_tools: bool
+    prompt: Prompt
+    tools: list[dict[str, Any]] | None  # the tools whose calls the reply is read for (None: not read for calls)
+
+    def reply_stream(self, service: ChatService) -> ReplyStream | None:
+        """What reads this request's streamed reply, where it has markup to read (calls, reasoning)."""
+        if self.tools is not None or service.formatter.reasoning is not None:
+            return ReplyStream(service.formatter, self.prompt, self.tools)
+        return None
 
 
 @dataclass
@@ -110,9 +118,10 @@ class ChatService:
     """Turns chat requests into engine requests and engine output into OpenAI responses."""
 
     def __init__(self, engine: Engine, token_records_bytes: int = 256 << 20,
-                 continuations_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
+                 continuations_bytes: int = DEFAULT_BUDGET_BYTES, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.engine = engine
-        self.formatter = ChatFormatter(engine.tokenizer)
+        self.formatter = engine.chat_formatter(tool_call_parser, reasoning_parser)
         self.records = TokenRecords(token_records_bytes)
         self.continuations = TokenContinuations(engine.tokenizer, continuations_bytes)
         self._token_text = lru_cache(maxsize=65536)(self._decode_one)
@@ -139,12 +148,14 @@ class ChatService:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         tool_choice = body.tool_choice_value()
-        text = self.formatter.render(messages, tools, tool_choice)
+        prompt = self.formatter.render_prompt(messages, tools, tool_choice, body.chat_template_kwargs)
+        text = prompt.text
         if len(text) > self.engine.max_model_len * self._longest_token:
             raise ContextLengthError.text_over(self.engine.max_model_len, len(text))
         # A prompt that replays an earlier turn keeps that turn's exact ids (see continuation.py).
         prompt_ids = self.continuations.tokenize(text)
-        grammar = self._grammar(body, tools, tool_choice)
+        grammar = self._grammar(body, tools, tool_choice, prompt)
+        parse_tools = bool(tools) and body.tool_choice != "none"
         used = len(prompt_ids)
         room = self.engine.max_model_len - used
         limit = body.completion_limit
@@ -168,19 +179,22 @@ class ChatService:
             top_logprobs=body.top_logprobs or 0,
             ignore_eos=body.ignore_eos,
             grammar=grammar,
+            # a family whose call markup opens with a special token needs it in the text (as vLLM does)
+            skip_special_tokens=not (parse_tools and self.formatter.tool_format.keeps_special_tokens),
         )
         served = None if body.model == self.engine.base_model_name else body.model
         generation = GenerationRequest(prompt_ids, params, body.n, served)
-        return _Prepared(body, generation, parse_tools=bool(tools) and body.tool_choice != "none")
+        return _Prepared(body, generation, prompt, tools if parse_tools else None)
 
     def _grammar(self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
-                 tool_choice: str | dict[str, Any] | None) -> str | None:
+                 tool_choice: str | dict[str, Any] | None, prompt: Prompt) -> str | None:
         """A required or named tool call, or `response_format` JSON, is enforced by a grammar."""
         required = self.formatter.required_tools(tools, tool_choice)
         if required is not None:
             if body.response_format is not None and body.response_format.type != "text":
                 raise UnsupportedFeatureError("Ask for either a required tool call or response_format JSON, not both.")
-            return tool_call_grammar(required, parallel=body.parallel_tool_calls is not False and len(required) > 1)
+            return self.formatter.call_grammar(
+                required, parallel=body.parallel_tool_calls is not False and len(required) > 1, prompt=prompt)
         if body.response_format is not None:
             return json_grammar(body.response_format.model_dump(by_alias=True))
         return None
@@ -226,15 +240,15 @@ class ChatService:
         response_id = completion_id()
         for choice in choices:
             self._finished(generation.prompt_ids, choice)
-            parsed = self.formatter.parse(choice.text) if prepared.parse_tools else None
-            message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+            parsed = self.formatter.parse(choice.text, prepared.prompt, prepared.tools)
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
             entry: dict[str, Any] = {"index": choice.index, "message": message}
-            if parsed is not None:
-                message["content"] = parsed.content
-                if parsed.tool_calls:
-                    message["tool_calls"] = self._tool_calls(parsed)
-                if parsed.parse_error:
-                    entry["tool_call_parse_error"] = parsed.parse_error
+            if parsed.reasoning is not None:
+                message["reasoning_content"] = message["reasoning"] = parsed.reasoning
+            if parsed.tool_calls:
+                message["tool_calls"] = self._tool_calls(parsed)
+            if parsed.parse_error:
+                entry["tool_call_parse_error"] = parsed.parse_error
             entry["logprobs"] = self._logprobs(choice.logprobs) if body.logprobs else None
             entry["finish_reason"] = self._finish_reason(choice.finish_reason, parsed)
             if body.return_token_ids:
@@ -267,8 +281,7 @@ class ChatService:
         first: dict[str, Any] = {"prompt_token_ids": generation.prompt_ids} if body.return_token_ids else {}
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(generation.n)], **first)
-        filters = [ToolCallStreamFilter(self.formatter) if prepared.parse_tools else None
-                   for _ in range(generation.n)]
+        filters = [prepared.reply_stream(self) for _ in range(generation.n)]
         choices = [_Choice(i) for i in range(generation.n)]
         completion_tokens = 0
         try:
@@ -296,9 +309,11 @@ class ChatService:
         yield "data: [DONE]\n\n"
 
     def _stream_choice(self, body: ChatCompletionRequest, delta: SequenceDelta,
-                       stream_filter: ToolCallStreamFilter | None, choice_id: str | None) -> dict[str, Any]:
-        content = stream_filter.feed(delta.text) if stream_filter else delta.text
+                       stream_filter: ReplyStream | None, choice_id: str | None) -> dict[str, Any]:
+        reasoning, content = stream_filter.feed(delta.text) if stream_filter else ("", delta.text)
         message: dict[str, Any] = {"content": content} if content else {}
+        if reasoning:
+            message["reasoning_content"] = message["reasoning"] = reasoning
         if choice_id is not None:
             message["id"] = choice_id
         choice: dict[str, Any] = {
@@ -311,12 +326,14 @@ class ChatService:
             choice["token_ids"] = delta.token_ids
         return choice
 
-    def _stream_finish(self, delta: SequenceDelta, stream_filter: ToolCallStreamFilter | None,
+    def _stream_finish(self, delta: SequenceDelta, stream_filter: ReplyStream | None,
                        choice_id: str | None) -> dict[str, Any]:
         parsed = stream_filter.finish() if stream_filter else None
         message: dict[str, Any] = {"id": choice_id} if choice_id is not None else {}
         choice: dict[str, Any] = {"index": delta.index, "delta": message, "logprobs": None}
         if parsed is not None:
+            if parsed.reasoning:
+                message["reasoning_content"] = message["reasoning"] = parsed.reasoning
             if parsed.content:
                 message["content"] = parsed.content
             if parsed.tool_calls:
@@ -420,9 +437,10 @@ async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, Any]
 
 def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutdown: bool = False,
                training: TrainingService | None = None, max_request_bytes: int = 64 << 20,
-               token_records_bytes: int = 256 << 20, continuations_bytes: int = DEFAULT_BUDGET_BYTES) -> FastAPI:
+               token_records_bytes: int = 256 << 20, continuations_bytes: int = DEFAULT_BUDGET_BYTES,
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The HTTP app over `engine`; with `training`, also the /v1/training routes."""
-    service = ChatService(engine, token_records_bytes, continuations_bytes)
+    service = ChatService(engine, token_records_bytes, continuations_bytes, tool_call_parser, reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

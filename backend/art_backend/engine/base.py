@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from art_backend.chat_format import ChatFormatter
     from art_backend.training.tokenize import TrainSequence
     from art_integrations.training import LoraConfig, TrainConfig
 
@@ -36,6 +37,7 @@ class SamplingParams:
     top_logprobs: int = 0  # alternatives returned per token besides the sampled one
     ignore_eos: bool = False  # keep going past end-of-turn tokens (benchmarks)
     grammar: str | None = None  # an llguidance grammar the output must follow (see art_backend.grammar)
+    skip_special_tokens: bool = True  # leave special tokens out of the text (False: a family's call markup needs them)
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,10 @@ class Engine(Protocol):
     base_model_name: str
     max_model_len: int
     tokenizer: Any  # a transformers tokenizer with the model's chat template
+
+    def chat_formatter(self, tool_call_parser: str | None, reasoning_parser: str | None) -> ChatFormatter:
+        """The renderer and reply reader for this engine's model (vLLM's own parsers on the vLLM engine)."""
+        ...
 
     def served_models(self) -> list[str]:
         """Names accepted as `model`: the base model first, then adapters."""

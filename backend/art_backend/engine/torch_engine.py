@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from art_backend.chat_format import ChatFormatter
 from art_backend.engine.base import (
     ContextLengthError,
     GenerationRequest,
@@ -217,6 +218,9 @@ class TorchEngine:
         unknown = sorted(set(lora.target_modules) - set(LORA_TARGETS))
         if unknown:
             raise ValueError(f"LoRA on {', '.join(unknown)} cannot be served; target modules: {', '.join(LORA_TARGETS)}.")
+
+    def chat_formatter(self, tool_call_parser: str | None, reasoning_parser: str | None) -> ChatFormatter:
+        return ChatFormatter(self.tokenizer, tool_call_parser, reasoning_parser)
 
     async def train_step(self, model_name: str, sequences: list[TrainSequence], config: TrainConfig,
                          lora: LoraConfig, resume_from: Path | None, save_to: Path) -> dict[str, float]:
@@ -584,8 +588,9 @@ class TorchEngine:
         else:
             # incremental detokenization: decode a short window so multi-byte characters and
             # leading-space tokens come out right without re-decoding the whole completion
-            window = self.tokenizer.decode(seq.completion[seq.prefix_offset:], skip_special_tokens=True)
-            before = self.tokenizer.decode(seq.completion[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
+            skip = params.skip_special_tokens
+            window = self.tokenizer.decode(seq.completion[seq.prefix_offset:], skip_special_tokens=skip)
+            before = self.tokenizer.decode(seq.completion[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
             if len(window) > len(before) and not window.endswith("\ufffd"):
                 old_length = len(seq.text)
                 seq.text += window[len(before):]
@@ -597,8 +602,9 @@ class TorchEngine:
                         return
             if len(seq.completion) >= params.max_tokens or len(seq.ids) >= self.max_model_len:
                 seq.finish_reason = "length"
-        if seq.finish_reason:  # flush a character the window still held back
-            seq.text = self.tokenizer.decode(seq.completion, skip_special_tokens=True)
+        if seq.finish_reason:  # flush a character the window still held back (the end-of-turn token is no text)
+            ids = seq.completion[:-1] if seq.finish_reason == "stop" and token in self.stop_ids else seq.completion
+            seq.text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
 
     def _delta(self, seq: _Sequence) -> SequenceDelta | None:
         stops = seq.request.spec.params.stop

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from art_backend.chat_format import ChatFormatter
 from art_backend.engine.base import (
     ContextLengthError,
     GenerationRequest,
@@ -46,6 +47,7 @@ from art_backend.engine.base import (
 )
 from art_backend.engine.sampling import LOWEST_LOGPROB
 from art_backend.grammar import Constrainer, GrammarError
+from art_backend.tool_formats.vllm_parsers import use_vllm_parsers
 from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.tokenize import TrainSequence
 from art_backend.training.trainer import LoraTrainer, load_trainable_model
@@ -217,6 +219,11 @@ class VLLMEngine:
     def served_models(self) -> list[str]:
         return [self.base_model_name, *self._adapters]
 
+    def chat_formatter(self, tool_call_parser: str | None, reasoning_parser: str | None) -> ChatFormatter:
+        formatter = ChatFormatter(self.tokenizer, tool_call_parser, reasoning_parser)
+        use_vllm_parsers(formatter, self.tokenizer)
+        return formatter
+
     def check_lora(self, lora: LoraConfig) -> None:
         if lora.rank > self.max_lora_rank:
             raise ValueError(
@@ -326,6 +333,7 @@ class VLLMEngine:
                 presence_penalty=params.presence_penalty, repetition_penalty=params.repetition_penalty,
                 logit_bias=dict(params.logit_bias) or None,
                 seed=params.seed, stop=list(params.stop) or None, ignore_eos=params.ignore_eos,
+                skip_special_tokens=params.skip_special_tokens,
                 # the torch engine's end-of-turn tokens (its EOS, the generation config's, <|im_end|>)
                 stop_token_ids=None if params.ignore_eos else self.stop_ids,
                 logprobs=params.top_logprobs if params.logprobs or params.top_logprobs else None,

@@ -1,0 +1,41 @@
+"""Models of each family's chat format, made offline: SmolLM2's tokenizer given the family's real
+chat template and special tokens (tests/fixtures/chat_families/), and a tiny random Llama over
+that vocabulary, so both engines serve it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+FIXTURES = Path(__file__).parent / "fixtures" / "chat_families"
+FAMILIES: dict[str, dict[str, Any]] = {
+    name: spec for name, spec in json.loads((FIXTURES / "families.json").read_text()).items()
+    if not name.startswith("_")
+}
+
+
+def build_family_model(family: str, tokenizer_source: Path, out: Path) -> Path:
+    """A model directory at `out` whose tokenizer and chat template are `family`'s."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    spec = FAMILIES[family]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    tokenizer.add_special_tokens({"additional_special_tokens": spec["special"]},
+                                 replace_extra_special_tokens=False)
+    tokenizer.add_tokens(spec["added"])
+    tokenizer.bos_token = spec["bos"]
+    tokenizer.eos_token = spec["eos"]
+    tokenizer.chat_template = (FIXTURES / spec["template"]).read_text()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.convert_tokens_to_ids(spec["generation_eos"]))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
