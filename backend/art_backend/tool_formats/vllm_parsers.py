@@ -48,7 +48,8 @@ class _VLLMToolCalls:
                                           "markup" if unread else None)
         calls = [ParsedToolCall(call.id or self._format.new_call_id(), call.function.name, call.function.arguments)
                  for call in extracted.tool_calls]
-        return ParsedOutput(extracted.content or None, calls, None)
+        content = extracted.content  # vLLM's keeps the space before a call; ours, and clients, have no use for it
+        return ParsedOutput(content if content and content.strip() else None, calls, None)
 
 
 class _VLLMReasoning:
