@@ -1,5 +1,6 @@
 """Models named by hub id: served from a hub cache laid out on disk (offline), downloaded from a
-fake hub on loopback (HF_ENDPOINT), every failure one clear error.
+fake hub on loopback (HF_ENDPOINT), every failure one clear error; a LocalBackend given no model
+starts on the first TrainableModel's base model, and refuses a model naming another.
 
 Nothing here reaches the network: every run sets HF_ENDPOINT to loopback or HF_HUB_OFFLINE=1.
 """
@@ -15,13 +16,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from art_backend.model_store import ModelNotFoundError, resolve_model_dir
+from art_backend.model_store import EMBEDDED_MODEL_NAME, ModelNotFoundError, resolve_model_dir
 
-from art_integrations.backend import LocalBackend
+from art_integrations import Model, TrainableModel
+from art_integrations.backend import BackendError, LocalBackend
 from tests.conftest import REPO, ServerThread, free_port
 from tests.fake_hub import FakeHub, HubRepo, commit_id, fake_hub_app, model_files, write_hub_cache
 
 MAIN, V2 = commit_id("main"), commit_id("v2")
+ART_BASE_MODEL = "meta-llama/Meta-Llama-3.1-8B-Instruct"  # the tiny model, under the id ART's examples use
 # the same weights in formats the backend does not read, and folders it does not load: never downloaded
 NOT_NEEDED = {"pytorch_model.bin": b"pickle", "model.gguf": b"gguf", "onnx/model.onnx": b"onnx",
               "original/consolidated.00.pth": b"pth", "README.md": b"# tiny"}
@@ -47,6 +50,7 @@ def hub_cache(tmp_path_factory: pytest.TempPathFactory, tiny_files: dict[str, by
     cache = tmp_path_factory.mktemp("hub") / "hub"
     write_hub_cache(cache, "org/tiny", {MAIN: tiny_files, V2: _with_context(tiny_files, 1024)},
                     {"main": MAIN, "v2": V2})
+    write_hub_cache(cache, ART_BASE_MODEL, {MAIN: tiny_files}, {"main": MAIN})
     return cache
 
 
@@ -179,3 +183,49 @@ def test_paths_stay_directories_and_a_revision_needs_a_hub_id(tiny_model_dir: Pa
         resolve_model_dir("./no-such-model", tmp_path)  # looks like a path: the hub is not asked
     with pytest.raises(ModelNotFoundError, match="picks a version of a hub model"):
         resolve_model_dir(str(tiny_model_dir), tmp_path, revision="v2")
+
+
+# ----- LocalBackend() without a model, as ART users write it ------------------------------------------
+
+async def test_a_local_backend_without_a_model_starts_on_the_first_trainable_models_base(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ART_BACKEND_MODEL", raising=False)
+    async with LocalBackend(art_dir=tmp_path) as backend:
+        async with httpx.AsyncClient() as probe:
+            with pytest.raises(httpx.ConnectError):  # nothing started yet
+                await probe.get(f"{backend.base_url}/health")
+        model = TrainableModel(name="m", project="p", base_model=str(tiny_model_dir))
+        await model.register(backend)
+        served = [m["id"] for m in await _served(backend)]
+        assert served[:2] == [tiny_model_dir.name, str(tiny_model_dir)] and model.base_model == tiny_model_dir.name
+
+        other = TrainableModel(name="other", project="p", base_model="Qwen/Qwen3-8B")
+        with pytest.raises(BackendError, match=r"\(409\): Model 'other' names base model 'Qwen/Qwen3-8B', but this "
+                                               r"backend serves 'tiny-random-smollm2'.*Start another backend"):
+            await other.register(backend)
+        assert [m["id"] for m in await _served(backend)] == served  # nothing loaded
+        assert not (tmp_path / "p" / "models" / "other").exists()
+        # any name of the served base registers
+        await TrainableModel(name="again", project="p", base_model=tiny_model_dir.name).register(backend)
+
+
+async def test_a_scored_model_registered_first_starts_a_lazy_backend_on_the_default(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ART_BACKEND_MODEL", raising=False)
+    async with LocalBackend(art_dir=tmp_path) as backend:
+        await Model(name="prompted", project="p").register(backend)
+        assert [m["id"] for m in await _served(backend)] == [EMBEDDED_MODEL_NAME]
+
+
+def test_an_art_script_trains_a_hub_base_model_on_a_backend_given_no_model(offline: Path, tmp_path: Path) -> None:
+    """ART's own pattern: `backend = LocalBackend()`, `TrainableModel(base_model="meta-llama/...")`,
+    `await model.register(backend)`, a step trained (tests/art_scripts/single_turn.py, imports changed only)."""
+    env = _env(BASE_MODEL=ART_BASE_MODEL, HF_HUB_OFFLINE="1")
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "art_scripts" / "single_turn.py")], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "trained step 1" in run.stdout
+    trained = tmp_path / ".art" / "art-port" / "models" / "single-001"
+    assert json.loads((trained / "model.json").read_text())["base_model"] == ART_BASE_MODEL
+    history = [json.loads(line) for line in (trained / "history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history if h["split"] == "train"] == [1]
