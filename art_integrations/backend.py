@@ -6,6 +6,7 @@ Both speak the same API: OpenAI-compatible inference under /v1 and training unde
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -50,7 +51,12 @@ class Backend:
         # server: its connections, and a LocalBackend's server, stay with the process that made them.
         return RemoteBackend, (self.base_url, self.api_key, self._http.timeout.read)
 
+    async def _ensure_started(self, model: str | None) -> None:
+        """Make sure the server runs, on `model` if it has to start (a LocalBackend started lazily);
+        a backend reached by URL runs already."""
+
     async def request(self, method: str, path: str, json: Any = None) -> Any:
+        await self._ensure_started(None)
         try:
             response = await self._http.request(method, path, json=json)
         except (httpx.ConnectError, httpx.ConnectTimeout) as error:
@@ -109,7 +115,12 @@ class LocalBackend(Backend):
     """Starts the bundled backend on loopback: in this process (a server thread), or as a
     child process (`in_process=False`). Stopped by `close()` or leaving `async with`.
 
-    `model`: a local Hugging Face model directory; default the embedded SmolLM2-135M-Instruct.
+    `model`: a Hugging Face hub id (e.g. "Qwen/Qwen2.5-7B-Instruct", from the hub cache, else
+    downloaded) or a local model directory; the server starts now. Without it (and without
+    `ART_BACKEND_MODEL`) the server starts at first use, as in ART: the first `TrainableModel`
+    registered starts it on its `base_model` (the embedded SmolLM2-135M-Instruct if that is None);
+    any other request before that (a scored-only `Model` registered, `openai_client()`) starts it
+    on the embedded model. One backend serves one base model: a model naming another is refused.
     `engine`: "torch", "vllm" or "auto" (the default, or `ART_BACKEND_ENGINE`: vLLM where a CUDA GPU
     and vLLM are present, else the embedded torch engine). The vLLM engine starts processes of its
     own: a script that starts it belongs under `if __name__ == "__main__":`.
@@ -132,11 +143,32 @@ class LocalBackend(Backend):
         self._process: subprocess.Popen[bytes] | None = None
         self._server: Any = None
         self._thread: threading.Thread | None = None
-        if in_process:
-            self._start_in_process(port, model, engine, Path(art_dir))
-        else:
-            self._start_child(port, model, engine, Path(art_dir), log_file)
-        self._wait_until_up(startup_timeout)
+        self._port, self._in_process, self._engine, self._art_dir = port, in_process, engine, Path(art_dir)
+        self._log_file, self._startup_timeout = log_file, startup_timeout
+        self._start_lock = threading.Lock()
+        self._started = False
+        if model is not None or os.environ.get("ART_BACKEND_MODEL"):
+            self._start(model)
+
+    async def _ensure_started(self, model: str | None) -> None:
+        if not self._started:  # starting loads (maybe downloads) a model: off the event loop
+            await asyncio.to_thread(self._start, model)
+
+    def _start(self, model: str | None) -> None:
+        """Start the server on `model` (None: the setting's or the embedded default), once."""
+        with self._start_lock:
+            if self._started:
+                return
+            if self._in_process:
+                self._start_in_process(self._port, model, self._engine, self._art_dir)
+            else:
+                self._start_child(self._port, model, self._engine, self._art_dir, self._log_file)
+            self._wait_until_up(self._startup_timeout)
+            self._started = True
+
+    def openai_client(self, **kwargs: Any) -> AsyncOpenAI:
+        self._start(None)
+        return super().openai_client(**kwargs)
 
     def _start_in_process(self, port: int, model: str | None, engine: str | None, art_dir: Path) -> None:
         try:

@@ -121,6 +121,7 @@ class TrainableModel(Model):
         checkpoint does not load (damaged on disk), registering fails and says what is wrong;
         `fall_back=True` then moves the damaged steps aside (kept on disk) and resumes from the
         newest step that loads."""
+        await backend._ensure_started(self.base_model)  # a LocalBackend started lazily serves this base model
         answer = await backend.request("POST", "/v1/training/models", {
             "project": self.project, "name": self.name, "base_model": self.base_model,
             "lora": self.lora.model_dump(), "fall_back": fall_back})

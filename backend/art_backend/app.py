@@ -9,7 +9,7 @@ from fastapi import FastAPI
 
 from art_backend.config import BackendSettings
 from art_backend.engine.base import Engine
-from art_backend.model_store import resolve_model_dir
+from art_backend.model_store import resolve_model_dir, served_names
 from art_backend.server import create_app
 from art_backend.training.service import TrainingService
 
@@ -36,7 +36,11 @@ _VLLM_ONLY = {"gpu_memory_utilization", "kv_cache_memory_bytes", "max_loras", "m
 
 
 def build_engine(settings: BackendSettings) -> Engine:
-    model_dir = resolve_model_dir(settings.model, settings.cache_dir)
+    # one directory for everything that loads the model (vLLM, the trainer, the tokenizer): a hub
+    # id's snapshot is resolved once here, so they cannot load different revisions
+    model_dir = resolve_model_dir(settings.model, settings.cache_dir, settings.revision)
+    names = served_names(settings.model, model_dir)
+    name, aliases = settings.served_model_name or names[0], names
     engine, reason = choose_engine(settings.engine)
     logger.info("Engine: %s (%s)", engine, reason)
     unused = sorted(settings.model_fields_set & (_TORCH_ONLY if engine == "vllm" else _VLLM_ONLY))
@@ -46,7 +50,7 @@ def build_engine(settings: BackendSettings) -> Engine:
     if engine == "vllm":
         from art_backend.engine.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_dir, served_model_name=settings.served_model_name,
+        return VLLMEngine(model_dir, served_model_name=name, aliases=aliases,
                           max_model_len=settings.max_model_len, dtype=settings.dtype,
                           max_batch_size=settings.max_batch_size,
                           gpu_memory_utilization=settings.gpu_memory_utilization,
@@ -56,7 +60,7 @@ def build_engine(settings: BackendSettings) -> Engine:
                           data_parallel_size=settings.data_parallel_size, engine_args=settings.vllm_engine_args)
     from art_backend.engine.torch_engine import TorchEngine
 
-    return TorchEngine(model_dir, served_model_name=settings.served_model_name,
+    return TorchEngine(model_dir, served_model_name=name, aliases=aliases,
                        max_model_len=settings.max_model_len, max_batch_size=settings.max_batch_size or 64,
                        prefix_cache_bytes=settings.prefix_cache_bytes, threads=settings.threads, dtype=settings.dtype,
                        cpu_kernels=settings.cpu_kernels)

@@ -57,7 +57,10 @@ def serve(
     host: Annotated[Optional[str], typer.Option(help="Address to bind. Default 127.0.0.1.")] = None,
     port: Annotated[Optional[int], typer.Option(help="Port. Default 8000.")] = None,
     model: Annotated[Optional[str], typer.Option(
-        help="Local Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct).")] = None,
+        help="Hugging Face hub id (e.g. Qwen/Qwen2.5-7B-Instruct; from the hub cache, else downloaded) or local "
+             "model directory (default: the embedded SmolLM2-135M-Instruct). Env: ART_BACKEND_MODEL.")] = None,
+    revision: Annotated[Optional[str], typer.Option(
+        help="With a hub id: branch, tag or commit (default main). Env: ART_BACKEND_REVISION.")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="Name clients put in `model`.")] = None,
     api_key: Annotated[Optional[str], typer.Option(
         help="Require `Authorization: Bearer KEY` on every route (mandatory off loopback). "
@@ -100,7 +103,7 @@ def serve(
     if engine not in (None, "auto", "torch", "vllm"):
         raise typer.BadParameter(f"{engine!r}: use auto, torch or vllm", param_hint="--engine")
     overrides = {k: v for k, v in {
-        "host": host, "port": port, "model": model, "served_model_name": served_model_name,
+        "host": host, "port": port, "model": model, "revision": revision, "served_model_name": served_model_name,
         "api_key": api_key, "cache_dir": cache_dir, "max_model_len": max_model_len,
         "art_dir": art_dir, "dtype": dtype, "max_request_bytes": max_request_bytes, "engine": engine, "gpu_memory_utilization": gpu_memory_utilization,
         "kv_cache_memory_bytes": kv_cache_memory_bytes, "max_loras": max_loras, "max_cpu_loras": max_cpu_loras,
@@ -118,8 +121,14 @@ def serve(
     import uvicorn
 
     from art_backend.app import build_app
+    from art_backend.model_store import ModelNotFoundError
 
-    uvicorn.run(build_app(settings), host=settings.host, port=settings.port, log_level="info")
+    try:
+        application = build_app(settings)
+    except ModelNotFoundError as error:  # the message names the model and the fix: no traceback to read through
+        typer.echo(f"Error: {error}", err=True)
+        raise typer.Exit(2) from None
+    uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
 
 
 @app.command()

@@ -33,10 +33,16 @@ class BackendSettings(BaseSettings):
 
     model: str | None = Field(
         default=None,
-        description="A local Hugging Face model directory. Unset: the embedded SmolLM2-135M-Instruct.",
+        description="A Hugging Face hub id (e.g. Qwen/Qwen2.5-7B-Instruct: from the hub cache, else downloaded; "
+        "HF_HOME, HF_HUB_CACHE, HF_TOKEN and HF_HUB_OFFLINE apply) or a local model directory (a path: starts with "
+        "/, . or ~, or exists). Unset: the embedded SmolLM2-135M-Instruct.",
+    )
+    revision: str | None = Field(
+        default=None, description="With a hub id: the branch, tag or commit to serve. Default: main.",
     )
     served_model_name: str | None = Field(
-        default=None, description="Name clients use in `model`. Default: the model directory's name."
+        default=None, description="Name clients use in `model`. Default: the hub id, else the model directory's name "
+        "(the model as typed and its directory's or hub repo's name are accepted too)."
     )
     cache_dir: Path = Field(
         default_factory=default_cache_dir,

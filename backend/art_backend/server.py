@@ -43,7 +43,7 @@ from art_backend.engine.base import (
 from art_backend.grammar import GrammarError, json_grammar
 from art_backend.training.routes import training_router
 from art_backend.training.checkpoints import DamagedCheckpointError
-from art_backend.training.service import TrainingRequestError, TrainingService, UnknownModelError
+from art_backend.training.service import BaseModelMismatchError, TrainingRequestError, TrainingService, UnknownModelError
 from art_backend.protocol import ChatCompletionRequest, TokenRecordsRequest, completion_id, error_body, now
 
 logger = logging.getLogger(__name__)
@@ -479,7 +479,8 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
         return JSONResponse(error_body(str(error), "BadRequestError", "messages", 400), status_code=400)
 
     @app.exception_handler(DamagedCheckpointError)
-    async def on_damaged(_: Request, error: DamagedCheckpointError) -> JSONResponse:
+    @app.exception_handler(BaseModelMismatchError)
+    async def on_conflict(_: Request, error: DamagedCheckpointError | BaseModelMismatchError) -> JSONResponse:
         return JSONResponse(error_body(str(error), "ConflictError", None, 409), status_code=409)
 
     @app.exception_handler(UnknownModelError)

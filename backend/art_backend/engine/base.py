@@ -104,8 +104,15 @@ def end_of_turn_ids(tokenizer: Any, generation_eos: int | list[int] | None) -> s
     return {i for i in ids if i is not None}
 
 
+def is_base_model(engine: Engine, model: str | None) -> bool:
+    """Whether a request for `model` runs on the base model alone: no name, its name or an alias."""
+    return model is None or model == engine.base_model_name or model in engine.base_model_aliases
+
+
 class Engine(Protocol):
-    base_model_name: str
+    base_model_name: str  # the name /v1/models lists first and trained models record
+    # further names of the base model (a hub id's repo name, a directory as typed), served as it
+    base_model_aliases: tuple[str, ...]
     max_model_len: int
     tokenizer: Any  # a transformers tokenizer with the model's chat template
 
@@ -114,7 +121,7 @@ class Engine(Protocol):
         ...
 
     def served_models(self) -> list[str]:
-        """Names accepted as `model`: the base model first, then adapters."""
+        """Names accepted as `model`: the base model first, its aliases, then adapters."""
         ...
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[SequenceDelta]:

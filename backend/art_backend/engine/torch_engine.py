@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from art_backend.engine.base import (
     SequenceDelta,
     TokenLogprob,
     end_of_turn_ids,
+    is_base_model,
 )
 from art_backend.engine.llama import LORA_TARGETS, LeanLlama, LoraWeights
 from art_backend.engine.sampling import Penalties, RowSampling, sample
@@ -106,7 +107,7 @@ _PrefixHit = tuple[int, _Sequence | tuple[int, ...] | None]
 class TorchEngine:
     """Serves a local Hugging Face model directory (see `Engine` for the interface)."""
 
-    def __init__(self, model_dir: Path, served_model_name: str | None = None,
+    def __init__(self, model_dir: Path, served_model_name: str | None = None, aliases: Sequence[str] = (),
                  max_model_len: int | None = None, max_batch_size: int = 64,
                  prefix_cache_bytes: int = 1 << 30, threads: int | None = None,
                  dtype: str = "float32", cpu_kernels: bool = True) -> None:
@@ -115,6 +116,7 @@ class TorchEngine:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.base_model_name = served_model_name or Path(model_dir).name
+        self.base_model_aliases = tuple(dict.fromkeys(a for a in aliases if a != self.base_model_name))
         self.max_batch_size = max_batch_size
         self.constrainer = Constrainer(self.tokenizer)
         self.peak_batch_size = 0  # most sequences decoded in one step so far
@@ -168,7 +170,7 @@ class TorchEngine:
     # ----- the Engine interface ---------------------------------------------------------
 
     def served_models(self) -> list[str]:
-        return [self.base_model_name, *self._adapters]
+        return [self.base_model_name, *self.base_model_aliases, *self._adapters]
 
     async def load_adapter(self, name: str, path: Path | None, preload: bool = True) -> None:
         """Serve the adapter at `path` (None: the base model) as `name`. The adapter loaded last
@@ -279,7 +281,7 @@ class TorchEngine:
 
     def resolve_adapter(self, model: str | None) -> LoraWeights | _Unread | None:
         """The adapter a request for `model` runs with (None: the base model; `_Unread`: not read yet)."""
-        if model is None or model == self.base_model_name:
+        if is_base_model(self, model):
             return None
         if model in self._adapters:
             return self._adapters[model]

@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,6 +44,7 @@ from art_backend.engine.base import (
     SequenceDelta,
     TokenLogprob,
     end_of_turn_ids,
+    is_base_model,
 )
 from art_backend.engine.sampling import LOWEST_LOGPROB
 from art_backend.grammar import Constrainer, GrammarError
@@ -125,8 +126,8 @@ def vllm_engine_args(model_dir: Path, served_model_name: str, max_model_len: int
 class VLLMEngine:
     """Serves a local Hugging Face model directory through vLLM (see `Engine` for the interface)."""
 
-    def __init__(self, model_dir: Path, served_model_name: str | None = None, max_model_len: int | None = None,
-                 dtype: str = "float32", max_batch_size: int | None = None,
+    def __init__(self, model_dir: Path, served_model_name: str | None = None, aliases: Sequence[str] = (),
+                 max_model_len: int | None = None, dtype: str = "float32", max_batch_size: int | None = None,
                  gpu_memory_utilization: float | None = None, kv_cache_memory_bytes: int | None = None,
                  max_loras: int = 4, max_cpu_loras: int | None = None, max_lora_rank: int = 16,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1,
@@ -149,6 +150,7 @@ class VLLMEngine:
         self.on_gpu = torch.cuda.is_available()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.base_model_name = served_model_name or self.model_dir.name
+        self.base_model_aliases = tuple(dict.fromkeys(a for a in aliases if a != self.base_model_name))
         args = vllm_engine_args(
             self.model_dir, self.base_model_name, max_model_len=max_model_len, dtype=dtype,
             max_batch_size=max_batch_size, gpu_memory_utilization=gpu_memory_utilization,
@@ -217,7 +219,7 @@ class VLLMEngine:
     # ----- the Engine interface ---------------------------------------------------------
 
     def served_models(self) -> list[str]:
-        return [self.base_model_name, *self._adapters]
+        return [self.base_model_name, *self.base_model_aliases, *self._adapters]
 
     def chat_formatter(self, tool_call_parser: str | None, reasoning_parser: str | None) -> ChatFormatter:
         formatter = ChatFormatter(self.tokenizer, tool_call_parser, reasoning_parser)
@@ -276,7 +278,7 @@ class VLLMEngine:
 
     def resolve_adapter(self, model: str | None) -> Any:
         """The LoRARequest a request for `model` runs with (None: the base model)."""
-        if model is None or model == self.base_model_name:
+        if is_base_model(self, model):
             return None
         if model in self._adapters:
             return self._adapters[model]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from art_backend.durable import write_atomically
-from art_backend.engine.base import Engine
+from art_backend.engine.base import Engine, is_base_model
 from art_backend.kill_points import kill_point
 from art_backend.training.checkpoints import DamagedCheckpointError, ModelFiles, checkpoint_problem
 from art_backend.training.tokenize import TokenizeStats, TrainSequence, tokenize_trajectory
@@ -35,6 +35,11 @@ class TrainingRequestError(ValueError):
 
 class UnknownModelError(LookupError):
     pass
+
+
+class BaseModelMismatchError(ValueError):
+    """A model asked to be trained on a base this backend does not serve (a 409: the backend's state, not
+    the request, is what differs)."""
 
 
 def group_advantages(rewards: list[float], scale: bool) -> list[float] | None:
@@ -117,7 +122,7 @@ class TrainingService:
         return max(self.model(project, name).steps(), default=0)
 
     def _model_directory(self, project: str, name: str) -> Path:
-        if name == self.engine.base_model_name or "@" in name:
+        if is_base_model(self.engine, name) or "@" in name:
             raise TrainingRequestError(f"Model name {name!r} is reserved or contains '@'; choose another name.")
         existing = self._models.get(name)
         if existing is not None and existing.project != project:
@@ -148,11 +153,12 @@ class TrainingService:
         after finishing what a crash left. A newest checkpoint that does not load is refused;
         with `fall_back` the damaged steps are moved aside and the model continues from the
         newest one that loads."""
-        if base_model is not None and base_model != self.engine.base_model_name:
-            raise TrainingRequestError(
-                f"This backend serves {self.engine.base_model_name!r}, not {base_model!r}: start the backend "
-                f"with --model pointing at {base_model!r}, or register with base_model="
-                f"{self.engine.base_model_name!r}.")
+        if base_model is not None and not is_base_model(self.engine, base_model):
+            served = self.engine.base_model_name
+            raise BaseModelMismatchError(
+                f"Model {name!r} names base model {base_model!r}, but this backend serves {served!r} (one base per "
+                f"backend; nothing was loaded or trained). Start another backend for it (`art-backend serve --model "
+                f"{base_model}`, or LocalBackend(model={base_model!r})), or register with base_model={served!r}.")
         directory = self._model_directory(project, name)
         async with self._locks[name]:
             model = ModelFiles(project, name, self._stored_lora(project, name) or lora, directory)
