@@ -9,7 +9,8 @@ VLLM_BIN := $(VLLM_VENV)/bin
 ART_VENV ?= .venv-art
 TORCH_VERSION ?= 2.13.0
 # The engine contract tests: each runs on the torch engine (in .venv) and on the vLLM engine (in .venv-vllm).
-ENGINE_TESTS := tests/test_openai_api.py tests/test_engines.py tests/test_training_backend.py tests/test_grpo_learns.py
+ENGINE_TESTS := tests/test_openai_api.py tests/test_engines.py tests/test_training_backend.py tests/test_grpo_learns.py \
+	tests/test_chat_families.py
 
 .PHONY: setup setup-vllm setup-art browser run smoke test bench-serving bench-vllm-serving bench-lora-serving bench-training bench-capture bench-rollouts clean
 

@@ -248,3 +248,23 @@ def test_a_forced_call_may_follow_reasoning(family_server: tuple[str, Any, Any])
     assert choice.model_extra["token_ids"][:2] == [think, end]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "get_weather"
     assert choice.message.content is None
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vllm_s_own_parsers_read_each_family_as_ours_do(family: str, family_dirs: dict[str, Path]) -> None:
+    pytest.importorskip("vllm", reason="vLLM is not installed in this venv: `make test` runs this in .venv-vllm")
+    from art_backend.tool_formats.vllm_parsers import use_vllm_parsers
+
+    tokenizer = AutoTokenizer.from_pretrained(family_dirs[family])
+    ours, theirs = ChatFormatter(tokenizer), ChatFormatter(tokenizer)
+    use_vllm_parsers(theirs, tokenizer)
+    assert type(theirs.parse_tool_calls).__name__ == "_VLLMToolCalls"  # vLLM's parser took the tokenizer
+    assert (type(theirs.split_reasoning).__name__ == "_VLLMReasoning") == (ours.reasoning is not None)
+    prompt = ours.render_prompt(QUESTION, [CITY_TOOL])
+    reply = CALLS[ours.tool_call_parser]
+    if ours.reasoning is not None:
+        reply = "<think>\nOslo, then.\n</think>\n\n" + reply
+    mine, vllms = ours.parse(reply, prompt, [CITY_TOOL]), theirs.parse(reply, prompt, [CITY_TOOL])
+    assert [(c.name, c.arguments) for c in vllms.tool_calls] == [(c.name, c.arguments) for c in mine.tool_calls]
+    assert (vllms.content, vllms.reasoning, vllms.parse_error) == (mine.content, mine.reasoning, None)

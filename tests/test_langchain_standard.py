@@ -19,8 +19,10 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from art_backend.engine.torch_engine import TorchEngine
+from art_backend.server import create_app
 from art_integrations.langchain import ChatART
-from tests.conftest import ServerThread
+from tests.chat_families import retemplate_model
+from tests.conftest import ServerThread, _close
 
 
 class ChatARTFlags:
@@ -91,3 +93,31 @@ class TestChatARTIntegration(ChatARTFlags, ChatModelIntegrationTests):
                               "instead of calling the tool", strict=True)
     def test_agent_loop(self, model: BaseChatModel) -> None:
         super().test_agent_loop(model)
+
+
+@pytest.fixture(scope="module")
+def llama3_engine(embedded_model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchEngine]:
+    """The embedded model speaking Llama 3.1's chat format: its template (JSON tool calls, tool results
+    as `ipython` turns) and special tokens."""
+    directory = retemplate_model("llama3_1", embedded_model_dir, tmp_path_factory.mktemp("llama3") / "SmolLM2-llama3")
+    engine = TorchEngine(directory)
+    yield engine
+    _close(engine)
+
+
+class TestChatARTIntegrationLlama3Format(TestChatARTIntegration):
+    """The integration suite once more on a family that is not Hermes: every request is rendered by
+    Llama 3.1's template, and forced calls are written and read as its JSON calls."""
+
+    override_name = "SmolLM2-llama3@override"
+
+    @pytest.fixture(autouse=True, scope="class")
+    @classmethod
+    def backend(cls, llama3_engine: TorchEngine) -> Iterator[None]:
+        assert llama3_engine.chat_formatter(None, None).tool_call_parser == "llama3_json"
+        with ServerThread(create_app(llama3_engine)) as server:
+            cls.base_url = f"{server.base_url}/v1"
+            cls.model_name = llama3_engine.base_model_name
+            asyncio.run(llama3_engine.load_adapter(cls.override_name, None))
+            yield
+            asyncio.run(llama3_engine.remove_adapter(cls.override_name))

@@ -31,9 +31,11 @@ from art_backend.tool_formats.hermes import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOO
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _FUNCTION_SHAPE = "{'type': 'function', 'function': {'name': ..., ...}}"
-# what the template is given by the server itself, never by a request's chat_template_kwargs
+# what the template is given by the server and transformers, never by a request's chat_template_kwargs
+# (besides the tokenizer's special tokens: bos_token, eos_token, ...)
 _RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
-                                      "documents", "tokenize"})
+                                      "documents", "tokenize", "raise_exception", "strftime_now", "loop",
+                                      "namespace", "range", "dict", "cycler", "joiner", "lipsum"})
 
 
 class ChatFormatError(ValueError):
@@ -235,10 +237,10 @@ class ChatFormatter:
     def _template_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """A request's `chat_template_kwargs`, each one a name the template reads (else it would be
         ignored without a word)."""
-        reserved = sorted(_RESERVED_TEMPLATE_NAMES & set(kwargs))
+        reserved = sorted((_RESERVED_TEMPLATE_NAMES | set(self._tokenizer.special_tokens_map)) & set(kwargs))
         if reserved:
-            raise ChatFormatError(f"chat_template_kwargs cannot set {', '.join(reserved)}: the request's own "
-                                  "fields say that.")
+            raise ChatFormatError(f"chat_template_kwargs cannot set {', '.join(reserved)}: the server sets them "
+                                  "from the request's own fields and the model's tokenizer.")
         unread = sorted(name for name in kwargs if not re.search(rf"\b{re.escape(name)}\b", self._template))
         if unread:
             raise ChatFormatError(f"chat_template_kwargs {', '.join(unread)}: this model's chat template reads no "
@@ -252,6 +254,10 @@ class ChatFormatter:
             )
         except jinja2.TemplateError as error:  # the template's own raise_exception, e.g. roles out of order
             raise ChatFormatError(f"The model's chat template refused these messages: {error}") from None
+        except (TypeError, ValueError, AttributeError, KeyError) as error:  # e.g. a template argument of a type it
+            # cannot use, or content it iterates: the request's doing, said as such rather than a 500
+            raise ChatFormatError(f"The model's chat template failed on this request ({type(error).__name__}: "
+                                  f"{error}); check chat_template_kwargs and the messages' shapes.") from None
 
     def _native_message(self, message: dict, where: str) -> dict:
         role = _role(message, where)
