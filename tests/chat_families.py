@@ -56,12 +56,15 @@ def build_family_model(family: str, tokenizer_source: Path, out: Path) -> Path:
 
 def retemplate_model(family: str, model_dir: Path, out: Path) -> Path:
     """The pretrained model at `model_dir` speaking `family`'s chat format: its tokenizer given the
-    family's tokens (their embeddings the mean of the others') and template."""
+    family's tokens (each starting from the embedding of the token it stands in for) and template."""
     import torch
     from transformers import AutoModelForCausalLM
 
     tokenizer = _family_tokenizer(family, model_dir)
-    torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    embeddings = model.get_input_embeddings().weight
+    with torch.no_grad():  # the embeddings are tied: a row is also that token's output
+        for token, like in FAMILIES[family]["embedding_from"].items():
+            embeddings[tokenizer.convert_tokens_to_ids(token)] = embeddings[tokenizer.convert_tokens_to_ids(like)]
     return _save(family, model, tokenizer, out)

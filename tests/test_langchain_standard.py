@@ -121,3 +121,6 @@ class TestChatARTIntegrationLlama3Format(TestChatARTIntegration):
             asyncio.run(llama3_engine.load_adapter(cls.override_name, None))
             yield
             asyncio.run(llama3_engine.remove_adapter(cls.override_name))
+
+    def test_json_mode(self, model: BaseChatModel) -> None:  # in this format the 135M model keeps to the keys
+        ChatModelIntegrationTests.test_json_mode(self, model)
