@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from openai import AsyncOpenAI
 
+from art_integrations.checkpoint_sync import CheckpointSync
+
 if TYPE_CHECKING:
     from art_integrations.model import TrainableModel, TrainResult
     from art_integrations.training import TrainConfig
@@ -31,8 +33,9 @@ class BackendError(RuntimeError):
     """The backend refused or failed a request; the message is the backend's own."""
 
 
-class Backend:
-    """A backend at `base_url` (without the /v1 suffix)."""
+class Backend(CheckpointSync):
+    """A backend at `base_url` (without the /v1 suffix). Its checkpoint sync to object storage
+    (`push_checkpoints`, ART's `_experimental_push_to_s3`, ...) is in `checkpoint_sync.py`."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = None) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")

@@ -15,6 +15,7 @@ MOMENTS = (
     "step_committed",        # the checkpoint is renamed into place; history and trajectories not yet published
     "history_appended",      # the history line is written; the trajectories are not yet published
     "step_published",        # everything is on disk; the new checkpoint is not yet served
+    "push_files_uploaded",   # a push copied its files to the store; its manifest is not yet written
 )
 
 _KILL_AT = frozenset(name for name in os.environ.get("ART_TEST_KILL_AT", "").split(",") if name)

@@ -16,11 +16,12 @@ import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from art_backend.durable import write_atomically
 from art_backend.engine.base import Engine
 from art_backend.kill_points import kill_point
+from art_backend.training import sync
 from art_backend.training.checkpoints import DamagedCheckpointError, ModelFiles, checkpoint_problem
 from art_backend.training.tokenize import TokenizeStats, TrainSequence, tokenize_trajectory
 from art_integrations.training import LoraConfig, TrainConfig
@@ -283,6 +284,29 @@ class TrainingService:
         record = {"step": step, "split": split, "time": time.time(), **metrics}
         await asyncio.to_thread(model.record, record, split, groups)
         return {"step": step, "metrics": metrics}
+
+    # ----- object storage -----------------------------------------------------------------
+
+    async def push(self, project: str, name: str, url: str, options: dict[str, Any], delete: bool) -> dict[str, Any]:
+        """Copy the model's files to `url` (see `sync.py`); no step commits while it runs."""
+        model = self.model(project, name)
+        async with self._locks[name]:
+            return await asyncio.to_thread(sync.push, model, url, options, delete)
+
+    async def pull(self, project: str, name: str, url: str, options: dict[str, Any],
+                   step: int | Literal["latest"] | None, exclude: set[sync.Part]) -> dict[str, Any]:
+        """Bring the model's files from `url` into the art dir. Before `register`, registering then
+        resumes from the newest pulled step; after it, the pulled steps are served at once."""
+        registered = self._models.get(name)
+        if registered is not None and registered.project != project:
+            self._model_directory(project, name)  # refuses the name taken by another project
+        async with self._locks[name]:
+            model = registered or ModelFiles(project, name, LoraConfig(), self._model_directory(project, name))
+            result = await asyncio.to_thread(sync.pull, model, url, options, step, exclude)
+            if registered is not None and registered.trainable and result["pulled"]:
+                registered.lora = self._stored_lora(project, name) or registered.lora
+                await self._serve(registered, await self._newest_loadable(registered, fall_back=False))
+        return result
 
     def history(self, project: str, name: str) -> list[dict[str, Any]]:
         return self.model(project, name).history()
