@@ -6,6 +6,7 @@ Both speak the same API: OpenAI-compatible inference under /v1 and training unde
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -13,11 +14,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import httpx
 from openai import AsyncOpenAI
 
+from art_integrations.art_config import settings_variables, train_config_with
 from art_integrations.checkpoint_sync import CheckpointSync
 
 if TYPE_CHECKING:
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
 
 
 ENGINES = ("auto", "torch", "vllm")
+logger = logging.getLogger(__name__)
 
 
 class BackendError(RuntimeError):
@@ -37,6 +40,19 @@ class Backend(CheckpointSync):
     """A backend at `base_url` (without the /v1 suffix). Its checkpoint sync to object storage
     (`push_checkpoints`, ART's `_experimental_push_to_s3`, ...) is in `checkpoint_sync.py`."""
 
+    # ART's backend methods that have no counterpart here, each with what to use instead
+    ART_METHODS: ClassVar[dict[str, str]] = {
+        "_experimental_pull_model_checkpoint": "backend.pull_checkpoints(model, url, step=N) brings step N into the "
+                                               "backend's art dir, served as `name@N` once the model registers",
+        "_experimental_fork_checkpoint": "pull the other model's steps with backend.pull_checkpoints(other, url) and "
+                                         "train that model; one model is not forked into another here",
+        "adapter_lease": "every checkpoint is served as `name@step` until model.delete_checkpoints() removes it",
+        "exact_adapter_lease": "every checkpoint is served as `name@step` until model.delete_checkpoints() removes it",
+        "adapter_retention_lease": "every checkpoint is served as `name@step` until model.delete_checkpoints() "
+                                   "removes it",
+        "prune_model_adapters": "model.delete_checkpoints() keeps the latest and the best step",
+    }
+
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = None) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.api_key = api_key
@@ -44,6 +60,12 @@ class Backend(CheckpointSync):
         # a training step can take minutes on CPU: no read timeout unless asked
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers,
                                        timeout=httpx.Timeout(timeout, connect=10.0))
+
+    def __getattr__(self, name: str) -> Any:
+        hint = type(self).ART_METHODS.get(name)
+        if hint is not None:
+            raise AttributeError(f"{type(self).__name__} has no {name!r} (an ART method): {hint}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def openai_client(self, **kwargs: Any) -> AsyncOpenAI:
         return AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused", **kwargs)
@@ -86,7 +108,17 @@ class Backend(CheckpointSync):
         if model._backend is not self:
             raise RuntimeError(f"Model {model.name!r} is not registered with this backend: "
                                "call `await model.register(backend)` first.")
-        return await model.train(groups, config or TrainConfig(**settings))
+        ours = {key: value for key, value in settings.items() if key in TrainConfig.model_fields}
+        arts = {key: value for key, value in settings.items() if key not in ours}  # ART's names (loss_fn, ...)
+        config = config or TrainConfig(**ours)
+        return await model.train(groups, train_config_with(config, arts, "backend.train()") if arts else config)
+
+    def take_engine_settings(self, settings: dict[str, Any], source: str) -> None:
+        """Engine settings a model asks for (ART's `_internal_config`). A running backend keeps the
+        ones it started with: say which were asked for and how to start it with them."""
+        logger.warning("%s asks for backend settings %s; the backend at %s is running and keeps its own. To apply "
+                       "them, start it with %s (`art-backend serve --help` lists them).", source, settings,
+                       self.base_url, settings_variables(settings))
 
     async def close(self) -> None:
         await self._http.aclose()

@@ -141,8 +141,10 @@ def test_an_appended_openai_choice_keeps_its_tokens_or_fails_at_once() -> None:
 
 @pytest.mark.parametrize(("build", "named", "hint"), [
     (lambda: art.TrainableModel(name="m", project="p", base_path="/tmp/x"), "base_path", "art_dir"),
-    (lambda: art.TrainableModel(name="m", project="p", _internal_config={"engine_args": {}}), "_internal_config",
+    (lambda: art.Model(name="m", project="p", _internal_config={"engine_args": {}}), "_internal_config",
      "art-backend serve --help"),
+    (lambda: art.TrainableModel(name="m", project="p", run_name="m-run-2"), "run_name", "under `name`"),
+    (lambda: art.TrainConfig(optimizer_save_interval=5), "optimizer_save_interval", "backend.train()"),
     (lambda: art.TrainConfig(kl_penalty_coef=0.1), "kl_penalty_coef", "beta"),
     (lambda: art.TrainConfig(learning_rate=1e-5, loss_fn="ppo"), "loss_fn", "`loss`"),
     (lambda: art.Model(name="m", project="p", entity="me"), "entity", "WANDB_ENTITY"),
@@ -157,8 +159,8 @@ def test_what_is_not_known_is_refused_by_name(build: Any, named: str, hint: str)
 
 
 def test_art_names_without_a_counterpart_say_what_to_use() -> None:
-    with pytest.raises(AttributeError, match="'dev' .*art-backend serve --help"):
-        art.dev.InternalModelConfig  # noqa: B018 - the attribute access is the test
+    with pytest.raises(AttributeError, match="'tensorize' .*builds the training tensors"):
+        art.tensorize  # noqa: B018 - the attribute access is the test
     with pytest.raises(AttributeError, match="capture_auto_trajectory.*art_capture"):
         art.capture_auto_trajectory  # noqa: B018
     with pytest.raises(AttributeError, match="no attribute 'Trajectroy'"):
