@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 Part = Literal["checkpoints", "history", "trajectories"]
 # ART's parts: its "logs" folder (the engine's log files) is not kept in the art dir here
-_ART_EXCLUDABLE = {"checkpoints": "checkpoints", "trajectories": "trajectories", "logs": None}
+_ART_EXCLUDABLE: dict[str, Part | None] = {"checkpoints": "checkpoints", "trajectories": "trajectories", "logs": None}
 
 
 def s3_url(s3_bucket: str | None, prefix: str | None) -> str:
@@ -81,9 +81,8 @@ class CheckpointSync:
             raise ValueError(f"exclude={unknown}: the parts are {sorted(_ART_EXCLUDABLE)}")
         chosen = step if step is not None else only_step if only_step is not None else \
             "latest" if latest_only else None
-        parts = [_ART_EXCLUDABLE[part] for part in exclude or [] if _ART_EXCLUDABLE[part]]
-        result = await self.pull_checkpoints(model, s3_url(s3_bucket, prefix), step=chosen,
-                                             exclude=parts)  # type: ignore[arg-type]
+        parts = [part for part in (_ART_EXCLUDABLE[name] for name in exclude or []) if part is not None]
+        result = await self.pull_checkpoints(model, s3_url(s3_bucket, prefix), step=chosen, exclude=parts)
         if verbose:
             print(f"pulled steps {result['pulled']} from {result['url']}" + (f" ({result['note']})"
                                                                              if "note" in result else ""))

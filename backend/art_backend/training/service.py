@@ -156,11 +156,7 @@ class TrainingService:
                 f"{self.engine.base_model_name!r}.")
         directory = self._model_directory(project, name)
         async with self._locks[name]:
-            model = ModelFiles(project, name, self._stored_lora(project, name) or lora, directory)
-            try:
-                self.engine.check_lora(model.lora)
-            except ValueError as error:
-                raise TrainingRequestError(str(error)) from error
+            model = ModelFiles(project, name, self._checked_lora(self._stored_lora(project, name) or lora), directory)
             self._save_description(model)
             await asyncio.to_thread(model.recover)
             step = await self._newest_loadable(model, fall_back)
@@ -168,6 +164,14 @@ class TrainingService:
             self._models[name] = model
         return {"step": step, "inference_name": name, "base_model": self.engine.base_model_name,
                 "directory": str(model.directory)}
+
+    def _checked_lora(self, lora: LoraConfig) -> LoraConfig:
+        """`lora`, if the engine can serve it (vLLM's max_lora_rank)."""
+        try:
+            self.engine.check_lora(lora)
+        except ValueError as error:
+            raise TrainingRequestError(str(error)) from error
+        return lora
 
     def _stored_lora(self, project: str, name: str) -> LoraConfig | None:
         """A model keeps the adapter shape it started with."""
@@ -304,7 +308,7 @@ class TrainingService:
             model = registered or ModelFiles(project, name, LoraConfig(), self._model_directory(project, name))
             result = await asyncio.to_thread(sync.pull, model, url, options, step, exclude)
             if registered is not None and registered.trainable and result["pulled"]:
-                registered.lora = self._stored_lora(project, name) or registered.lora
+                registered.lora = self._checked_lora(self._stored_lora(project, name) or registered.lora)
                 await self._serve(registered, await self._newest_loadable(registered, fall_back=False))
         return result
 

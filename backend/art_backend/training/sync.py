@@ -82,6 +82,7 @@ class Store:
             raise StorageError(f"{url!r} is not a storage URL this backend can reach ({error}). s3:// needs s3fs on "
                                "the backend's machine: `pip install 'art-backend[s3]'`.") from error
         self.root = f"{root.rstrip('/')}/{project}/models/{name}"
+        self._folders: set[str] = set()  # made already (on S3, making one asks whether the bucket exists)
 
     def path(self, relative: str) -> str:
         return f"{self.root}/{relative}"
@@ -105,7 +106,10 @@ class Store:
 
     def put(self, local: Path, relative: str) -> None:
         target = self.path(relative)
-        self.call(f"Uploading {relative}", self.fs.makedirs, target.rsplit("/", 1)[0], True)
+        folder = target.rsplit("/", 1)[0]
+        if folder not in self._folders:
+            self.call(f"Uploading {relative}", self.fs.makedirs, folder, True)
+            self._folders.add(folder)
         self.call(f"Uploading {relative}", self.fs.put_file, str(local), target)
 
     def get(self, relative: str, entry: Entry, local: Path) -> None:
