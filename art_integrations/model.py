@@ -31,7 +31,6 @@ class Model(StrictModel):
     ART_NAMES: ClassVar[dict[str, str]] = {
         "entity": "the W&B entity comes from WANDB_ENTITY",
         "id": "a run is named by `project` and `name`",
-        "config": "keep run settings in your script or W&B",
         "trainable": "use art_integrations.TrainableModel to train, Model to only score",
         "base_path": "the art dir belongs to the backend: LocalBackend(art_dir=...) or `art-backend serve --art-dir`",
         "_internal_config": "a Model is only scored here, with no engine of its own: engine settings belong to the "
@@ -61,6 +60,9 @@ class Model(StrictModel):
     inference_model_name: str | None = None  # None: `name`
     inference_base_url: str | None = None
     inference_api_key: str | None = None
+    # the script's own settings (ART's `config`, e.g. max turns): kept on the model for the rollouts to read;
+    # neither the backend nor W&B sees it
+    config: Any = None
     # ["wandb"]: log each step's metrics to W&B; None: only if WANDB_API_KEY or WANDB_MODE is set
     report_metrics: list[Literal["wandb"]] | None = None
     _backend: Backend | None = PrivateAttr(default=None)
