@@ -116,6 +116,10 @@ async def test_any_fsspec_url_serves_pulled_steps_and_refuses_damage(tmp_path: P
         assert answer.choices[0].message is not None
         with pytest.raises(BackendError, match="Step 7 is not in the store"):
             await backend.pull_checkpoints(model, store, step=7)
+        with pytest.raises(BackendError, match="'runs/store' is not a storage URL"):  # not the backend's cwd
+            await backend.push_checkpoints(model, "runs/store")
+        with pytest.raises(BackendError, match="names an absolute path"):
+            await backend.push_checkpoints(model, "file://runs/store")
         with pytest.raises(ValueError, match="never deletes"):
             await backend._experimental_pull_from_s3(model, s3_bucket="b", delete=True)
 

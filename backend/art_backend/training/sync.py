@@ -17,12 +17,14 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from art_backend.durable import append_lines, fsync_directory, fsync_tree, write_atomically
 from art_backend.kill_points import kill_point
@@ -76,11 +78,19 @@ class Store:
 
     def __init__(self, url: str, project: str, name: str, options: dict[str, Any]) -> None:
         self.url = url
+        if not re.match(r"[a-z][a-z0-9+.-]*://", url):  # a bare path would land relative to the backend's cwd
+            raise SyncRefused(f"{url[:200]!r} is not a storage URL: name the store as s3://bucket/prefix, "
+                              "file:///absolute/path, or another fsspec URL.")
         try:  # a fresh instance each time: a cached one would keep the credentials and endpoint it began with
             self.fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
-        except (ImportError, ValueError) as error:
-            raise StorageError(f"{url!r} is not a storage URL this backend can reach ({error}). s3:// needs s3fs on "
-                               "the backend's machine: `pip install 'art-backend[s3]'`.") from error
+        except ImportError as error:
+            raise SyncRefused(f"{url[:200]!r} needs a package the backend's machine lacks ({error}); for s3:// "
+                              "`pip install 'art-backend[s3]'` there.") from error
+        except (ValueError, TypeError) as error:
+            raise SyncRefused(f"{url[:200]!r} with storage_options {sorted(options)} is not a store fsspec opens: "
+                              f"{error}") from error
+        if isinstance(self.fs, LocalFileSystem) and not url.startswith("file:///"):
+            raise SyncRefused(f"{url[:200]!r}: a file:// URL names an absolute path (file:///path/to/store).")
         self.root = f"{root.rstrip('/')}/{project}/models/{name}"
         self._folders: set[str] = set()  # made already (on S3, making one asks whether the bucket exists)
 
@@ -90,7 +100,7 @@ class Store:
     def call(self, what: str, action: Any, *args: Any) -> Any:
         try:
             return action(*args)
-        except (OSError, RuntimeError, ValueError) as error:
+        except Exception as error:  # noqa: BLE001 - every way a store fails (botocore's own included) is named
             raise StorageError(f"{what} at {self.url!r} failed: {type(error).__name__}: {error}. Check the URL, the "
                                "credentials the backend's machine has for it (for s3:// the AWS_* variables or its "
                                "role), and the bucket.") from error
@@ -98,11 +108,16 @@ class Store:
     def manifest(self) -> Manifest | None:
         if not self.call("Looking for the manifest", self.fs.exists, self.path(MANIFEST)):
             return None
-        raw = json.loads(self.call("Reading the manifest", self.fs.cat_file, self.path(MANIFEST)))
-        if raw.get("format") != FORMAT:
-            raise SyncRefused(f"{self.path(MANIFEST)} is of format {raw.get('format')!r}; this backend reads {FORMAT}.")
-        return Manifest(raw["project"], raw["name"], sorted(raw["steps"]),
-                        {path: Entry(**entry) for path, entry in raw["files"].items()})
+        raw = self.call("Reading the manifest", self.fs.cat_file, self.path(MANIFEST))
+        try:
+            described = json.loads(raw)
+            if described.get("format") != FORMAT:
+                raise ValueError(f"it is of format {described.get('format')!r}; this backend reads {FORMAT}")
+            return Manifest(described["project"], described["name"], sorted(described["steps"]),
+                            {path: Entry(**entry) for path, entry in described["files"].items()})
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise StorageError(f"{self.path(MANIFEST)} does not read as a manifest ({error!r}): remove it from "
+                               "the store, and a push then uploads everything again.") from error
 
     def put(self, local: Path, relative: str) -> None:
         target = self.path(relative)
