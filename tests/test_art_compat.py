@@ -71,6 +71,7 @@ def test_a_game_loop_backed_up_to_s3_resumes_on_another_machine(tmp_path: Path, 
     """ART's game examples: pull from S3, register, train with _config, push; run again elsewhere."""
     first = _run_script("game_s3", tmp_path / "first", tiny_model_dir, BACKUP_BUCKET="games", TRAINING_STEPS="1")
     assert "trained step 1" in first.stdout and "ART_BACKEND_MAX_MODEL_LEN=8192" in first.stderr
+    assert '"num_scheduler_steps": 1' in first.stderr  # named in the warning, as every engine setting asked for
     assert "logprob_calculation_chunk_size=8 is taken but changes nothing" in first.stderr
     second = _run_script("game_s3", tmp_path / "second", tiny_model_dir, BACKUP_BUCKET="games", TRAINING_STEPS="2")
     assert "pulled steps [1]" in second.stdout and "trained step 2" in second.stdout

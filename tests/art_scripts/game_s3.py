@@ -20,7 +20,7 @@ model = art.TrainableModel(name="nim-001", project="nim", base_model=BASE_MODEL)
 # To run on a T4, we need to override some config defaults.
 model._internal_config = art.dev.InternalModelConfig(
     init_args=art.dev.InitArgs(max_seq_length=8192),
-    engine_args=art.dev.EngineArgs(enforce_eager=True, gpu_memory_utilization=0.8),
+    engine_args=art.dev.EngineArgs(enforce_eager=True, gpu_memory_utilization=0.8, num_scheduler_steps=1),
 )
 
 
