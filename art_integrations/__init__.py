@@ -6,6 +6,7 @@ too (`Model`, `TrainableModel`, `Trajectory`, `TrajectoryGroup`, `TrainConfig`,
 `import art_integrations as art` (README: "Coming from ART").
 """
 
+from art_integrations import dev
 from art_integrations.capture import art_capture, current_capture
 from art_integrations.gather import (
     GatheredGroups,
@@ -19,6 +20,7 @@ from art_integrations.dataset import DatasetBatch, iterate_dataset
 from art_integrations.model import Model, TrainableModel, TrainResult
 from art_integrations.ray_rollouts import RayRollouts  # imports Ray only when a gather first uses it
 from art_integrations.retry import retry
+from art_integrations.dev import LoRAConfig  # ART 0.5.23's adapter settings, for TrainableModel(lora_config=...)
 from art_integrations.training import LoraConfig, TrainConfig
 from art_integrations.trajectory import Choice, History, Trajectory, TrajectoryGroup
 
@@ -30,6 +32,7 @@ __all__ = [
     "Choice",
     "DatasetBatch",
     "History",
+    "LoRAConfig",
     "LocalBackend",
     "LoraConfig",
     "Model",
@@ -44,6 +47,7 @@ __all__ = [
     "TooManyRolloutErrors",
     "art_capture",
     "current_capture",
+    "dev",
     "gather_trajectories",
     "gather_trajectory_groups",
     "iterate_dataset",
@@ -54,8 +58,6 @@ __all__ = [
 # ART's names that have no counterpart here, each with what to use instead: a ported script
 # then fails on the name with the way forward, not with a bare AttributeError
 _ART_ONLY = {
-    "dev": "engine and trainer settings belong to the backend (`art-backend serve --help`, ART_BACKEND_* "
-           "variables); train settings are TrainConfig's",
     "auto_trajectory": "art_capture() records every model call of a rollout into its trajectory",
     "capture_auto_trajectory": "`async with art_capture() as trajectory:` around the rollout",
     "yield_trajectory": "return the Trajectory from the rollout",
@@ -63,6 +65,27 @@ _ART_ONLY = {
     "ServerlessBackend": "RemoteBackend(url, api_key=...) reaches an art-backend anywhere",
     "TrainSFTConfig": "only GRPO training is offered",
     "trajectory_group_batches": "iterate_dataset(...) batches scenarios into steps",
+    # ART 0.5.23's
+    "current_trajectory": "art_integrations.current_capture() is the capture scope of the running rollout",
+    "no_capture": "model calls outside `async with art_capture()` are not recorded",
+    "LocalTrainResult": "model.train() and backend.train() return TrainResult (step, metrics); checkpoints are "
+                        "served as `name@step` once it returns",
+    "ServerlessTrainResult": "model.train() and backend.train() return TrainResult (step, metrics)",
+    "LocalServingUnavailableError": "a backend that cannot serve raises BackendError, naming why",
+    "MegatronRuntimeConfig": "the backend trains LoRA with its own trainer (peft or Unsloth): `art-backend serve "
+                             "--help` lists its settings",
+    "MegatronTopologyConfig": "the backend's parallelism is vLLM's: --tensor-parallel-size, --data-parallel-size",
+    "get_megatron_runtime_config": "the backend's settings are listed by `art-backend serve --help`",
+    "init_megatron_runtime_config": "the backend's settings are listed by `art-backend serve --help`",
+    "PipelineAutotuneConfig": "a training step here is one call: model.train(groups) between gathers",
+    "PipelineRuntimeConfig": "a training step here is one call: model.train(groups) between gathers",
+    "PIPELINE_RL_DASHBOARD_DEFAULT_METRICS": "each step's metrics come back from train() and go to history.jsonl",
+    "PIPELINE_RL_METRIC_DEFINITIONS": "each step's metrics come back from train() and go to history.jsonl",
+    "PIPELINE_RL_SCORE_METRICS": "each step's metrics come back from train() and go to history.jsonl",
+    "MetricDefinition": "log metrics per trajectory (Trajectory.metrics) or with model.log(groups)",
+    "get_tokenizer": "the backend tokenizes: every response carries its token_ids and prompt_token_ids",
+    "tokenize": "the backend tokenizes trajectories itself from their exact token ids",
+    "tensorize": "the backend builds the training tensors itself",
 }
 
 

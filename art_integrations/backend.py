@@ -7,6 +7,7 @@ Both speak the same API: OpenAI-compatible inference under /v1 and training unde
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import subprocess
@@ -14,10 +15,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import httpx
 from openai import AsyncOpenAI
+
+from art_integrations.art_config import settings_environment, settings_variables, train_config_with
+from art_integrations.checkpoint_sync import CheckpointSync
 
 if TYPE_CHECKING:
     from art_integrations.model import TrainableModel, TrainResult
@@ -26,14 +30,29 @@ if TYPE_CHECKING:
 
 
 ENGINES = ("auto", "torch", "vllm")
+logger = logging.getLogger(__name__)
 
 
 class BackendError(RuntimeError):
     """The backend refused or failed a request; the message is the backend's own."""
 
 
-class Backend:
-    """A backend at `base_url` (without the /v1 suffix)."""
+class Backend(CheckpointSync):
+    """A backend at `base_url` (without the /v1 suffix). Its checkpoint sync to object storage
+    (`push_checkpoints`, ART's `_experimental_push_to_s3`, ...) is in `checkpoint_sync.py`."""
+
+    # ART's backend methods that have no counterpart here, each with what to use instead
+    ART_METHODS: ClassVar[dict[str, str]] = {
+        "_experimental_pull_model_checkpoint": "backend.pull_checkpoints(model, url, step=N) brings step N into the "
+                                               "backend's art dir, served as `name@N` once the model registers",
+        "_experimental_fork_checkpoint": "pull the other model's steps with backend.pull_checkpoints(other, url) and "
+                                         "train that model; one model is not forked into another here",
+        "adapter_lease": "every checkpoint is served as `name@step` until model.delete_checkpoints() removes it",
+        "exact_adapter_lease": "every checkpoint is served as `name@step` until model.delete_checkpoints() removes it",
+        "adapter_retention_lease": "every checkpoint is served as `name@step` until model.delete_checkpoints() "
+                                   "removes it",
+        "prune_model_adapters": "model.delete_checkpoints() keeps the latest and the best step",
+    }
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = None) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
@@ -42,6 +61,12 @@ class Backend:
         # a training step can take minutes on CPU: no read timeout unless asked
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers,
                                        timeout=httpx.Timeout(timeout, connect=10.0))
+
+    def __getattr__(self, name: str) -> Any:
+        hint = type(self).ART_METHODS.get(name)
+        if hint is not None:
+            raise AttributeError(f"{type(self).__name__} has no {name!r} (an ART method): {hint}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def openai_client(self, **kwargs: Any) -> AsyncOpenAI:
         return AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused", **kwargs)
@@ -89,7 +114,17 @@ class Backend:
         if model._backend is not self:
             raise RuntimeError(f"Model {model.name!r} is not registered with this backend: "
                                "call `await model.register(backend)` first.")
-        return await model.train(groups, config or TrainConfig(**settings))
+        ours = {key: value for key, value in settings.items() if key in TrainConfig.model_fields}
+        arts = {key: value for key, value in settings.items() if key not in ours}  # ART's names (loss_fn, ...)
+        config = config or TrainConfig(**ours)
+        return await model.train(groups, train_config_with(config, arts, "backend.train()") if arts else config)
+
+    def take_engine_settings(self, settings: dict[str, Any], source: str) -> None:
+        """Engine settings a model asks for (ART's `_internal_config`). A running backend keeps the
+        ones it started with: say which were asked for and how to start it with them."""
+        logger.warning("%s asks for backend settings %s; the backend at %s is running and keeps its own. To apply "
+                       "them, start it with %s (`art-backend serve --help` lists them).", source, settings,
+                       self.base_url, settings_variables(settings))
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -147,6 +182,7 @@ class LocalBackend(Backend):
         self._log_file, self._startup_timeout = log_file, startup_timeout
         self._start_lock = threading.Lock()
         self._started = False
+        self._engine_settings: dict[str, Any] = {}  # asked for by a model's _internal_config before the start
         if model is not None or os.environ.get("ART_BACKEND_MODEL"):
             self._start(model)
 
@@ -170,6 +206,16 @@ class LocalBackend(Backend):
         self._start(None)
         return super().openai_client(**kwargs)
 
+    def take_engine_settings(self, settings: dict[str, Any], source: str) -> None:
+        """Before the server starts (the lazy start, on the first registered model), its settings
+        are applied at the start; after, it keeps its own (see Backend.take_engine_settings)."""
+        with self._start_lock:
+            if not self._started:
+                self._engine_settings.update(settings)
+                logger.info("%s: the backend will start with %s", source, settings)
+                return
+        super().take_engine_settings(settings, source)
+
     def _start_in_process(self, port: int, model: str | None, engine: str | None, art_dir: Path) -> None:
         try:
             import uvicorn
@@ -182,7 +228,7 @@ class LocalBackend(Backend):
                 "`pip install -e ./backend` (or `make setup`), or connect to a running one with RemoteBackend(url)."
             ) from error
         chosen = {k: v for k, v in {"model": model, "engine": engine}.items() if v is not None}
-        settings = BackendSettings(port=port, art_dir=art_dir, **chosen)
+        settings = BackendSettings(port=port, art_dir=art_dir, **chosen, **self._engine_settings)
         config = uvicorn.Config(build_app(settings), host="127.0.0.1", port=port, log_level="warning")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="art-local-backend", daemon=True)
@@ -196,7 +242,8 @@ class LocalBackend(Backend):
         if engine:
             command += ["--engine", engine]
         log = open(log_file, "ab") if log_file is not None else None  # noqa: SIM115 - the child owns it
-        self._process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log,
+        asked = settings_environment(self._engine_settings)
+        self._process = subprocess.Popen(command, env={**os.environ, **asked, "PYTHONUNBUFFERED": "1"}, stdout=log,
                                          stderr=subprocess.STDOUT if log else None)
         if log is not None:
             log.close()  # the child has its own handle

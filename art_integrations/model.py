@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from openai import AsyncOpenAI
 from pydantic import BaseModel, Field, PrivateAttr
 
+from art_integrations.art_config import from_internal_config, from_lora_config, train_config_with
 from art_integrations.backend import Backend
 from art_integrations.observability.wandb import WandbReporter, reporter_for
 from art_integrations.strict import StrictModel
@@ -29,11 +31,28 @@ class Model(StrictModel):
     ART_NAMES: ClassVar[dict[str, str]] = {
         "entity": "the W&B entity comes from WANDB_ENTITY",
         "id": "a run is named by `project` and `name`",
-        "config": "keep run settings in your script or W&B",
         "trainable": "use art_integrations.TrainableModel to train, Model to only score",
         "base_path": "the art dir belongs to the backend: LocalBackend(art_dir=...) or `art-backend serve --art-dir`",
-        "_internal_config": "engine and trainer settings belong to the backend (`art-backend serve --help`, "
-                            "ART_BACKEND_* variables); the adapter's shape is lora=LoraConfig(...)",
+        "_internal_config": "a Model is only scored here, with no engine of its own: engine settings belong to the "
+                            "backend (`art-backend serve --help`, ART_BACKEND_* variables), and a TrainableModel "
+                            "takes ART's _internal_config",
+    }
+
+    # ART's methods that have no counterpart here, each with what to use instead
+    ART_METHODS: ClassVar[dict[str, str]] = {
+        "litellm_completion_params": "LiteLLM reaches the model as f\"openai/{model.get_inference_name()}\" with "
+                                     "api_base=model.inference_base_url, api_key=model.inference_api_key",
+        "train_sft": "only GRPO training is offered: model.train(groups)",
+        "read_state": "keep run state in your script, in a file of its own",
+        "write_state": "keep run state in your script, in a file of its own",
+        "merge_state": "keep run state in your script, in a file of its own",
+        "overwrite_state": "keep run state in your script, in a file of its own",
+        "update_wandb_config": "model.metrics_reporter is the W&B reporter; WANDB_* variables configure its run",
+        "metrics_builder": "put metrics on Trajectory.metrics, or record a split with model.log(groups, split=...)",
+        "activate_metrics_context": "put metrics on Trajectory.metrics, or record a split with model.log(groups, "
+                                    "split=...)",
+        "cost_calculator": "no cost accounting here: count tokens from each response's usage",
+        "set_cost_calculator": "no cost accounting here: count tokens from each response's usage",
     }
 
     name: str
@@ -41,10 +60,19 @@ class Model(StrictModel):
     inference_model_name: str | None = None  # None: `name`
     inference_base_url: str | None = None
     inference_api_key: str | None = None
+    # the script's own settings (ART's `config`, e.g. max turns): kept on the model for the rollouts to read;
+    # neither the backend nor W&B sees it
+    config: Any = None
     # ["wandb"]: log each step's metrics to W&B; None: only if WANDB_API_KEY or WANDB_MODE is set
     report_metrics: list[Literal["wandb"]] | None = None
     _backend: Backend | None = PrivateAttr(default=None)
     _reporter: WandbReporter | None = PrivateAttr(default=None)
+
+    def __getattr__(self, name: str) -> Any:
+        hint = type(self).ART_METHODS.get(name)
+        if hint is not None:
+            raise AttributeError(f"{type(self).__name__} has no {name!r} (an ART method): {hint}")
+        return super().__getattr__(name)  # pydantic's: private attributes, then the plain AttributeError
 
     async def register(self, backend: Backend) -> None:
         """Record this model's logged scores on `backend` (nothing is served or trained for it)."""
@@ -111,16 +139,40 @@ class Model(StrictModel):
 class TrainableModel(Model):
     """A model trained with GRPO: `name` is served as the newest policy, `name@N` as step N. Once
     registered, `inference_base_url`, `inference_api_key` and `inference_model_name` point at
-    the backend, as in ART."""
+    the backend, as in ART.
+
+    ART's `lora_config=art.dev.LoRAConfig(...)` (0.5.23) sets `lora`; ART's `_internal_config`
+    (an argument, or set on the model before `register`) is read when it registers: its LoRA
+    settings set `lora`, its engine settings go to the backend (`Backend.take_engine_settings`),
+    and what means nothing here is refused by name (`art_config.py`)."""
+
+    ART_NAMES: ClassVar[dict[str, str]] = {
+        **Model.ART_NAMES,
+        "run_name": "checkpoints are stored and served under `name` here: pass run_name equal to name, or leave it out",
+    }
 
     base_model: str | None = None  # None: whatever the backend serves
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    _internal_config: Mapping[str, Any] | None = PrivateAttr(default=None)
+
+    def __init__(self, **data: Any) -> None:
+        internal = data.pop("_internal_config", None)
+        if data.get("run_name") == data.get("name"):  # ART 0.5.23's storage name: the same thing here
+            data.pop("run_name")
+        lora_config = data.pop("lora_config", None)
+        if lora_config is not None:
+            if "lora" in data:
+                raise ValueError("lora= and lora_config= (ART's name) both set the adapter: pass one")
+            data["lora"] = LoraConfig(**from_lora_config(lora_config).lora)
+        super().__init__(**data)
+        self._internal_config = internal
 
     async def register(self, backend: Backend, *, fall_back: bool = False) -> None:
         """Attach to `backend`; a model trained before resumes from its newest checkpoint. If that
         checkpoint does not load (damaged on disk), registering fails and says what is wrong;
         `fall_back=True` then moves the damaged steps aside (kept on disk) and resumes from the
         newest step that loads."""
+        self._take_internal_config(backend)
         await backend._ensure_started(self.base_model)  # a LocalBackend started lazily serves this base model
         answer = await backend.request("POST", "/v1/training/models", {
             "project": self.project, "name": self.name, "base_model": self.base_model,
@@ -130,6 +182,19 @@ class TrainableModel(Model):
         self.inference_api_key = backend.api_key or "unused"
         self.inference_model_name = self.name
         self._attach(backend)
+
+    def _take_internal_config(self, backend: Backend) -> None:
+        if not self._internal_config:
+            return
+        mapped = from_internal_config(self._internal_config)
+        if mapped.lora:
+            chosen = LoraConfig(**{**self.lora.model_dump(), **mapped.lora})
+            if "lora" in self.model_fields_set and chosen != self.lora:
+                raise ValueError(f"_internal_config asks for LoRA {mapped.lora}, but lora= says {self.lora}: "
+                                 "set the adapter in one place")
+            self.lora = chosen
+        if mapped.settings:
+            backend.take_engine_settings(mapped.settings, f"{self.name}'s _internal_config")
 
     @property
     def inference_name(self) -> str:
@@ -142,11 +207,16 @@ class TrainableModel(Model):
         """An `AsyncOpenAI` pointed at the backend; use `model=model.inference_name`."""
         return self.backend.openai_client(**kwargs)
 
-    async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | None = None) -> TrainResult:
+    async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | None = None,
+                    _config: Mapping[str, Any] | None = None) -> TrainResult:
         """One GRPO step on `groups`; the new checkpoint is served before this returns. Groups that
-        `gather_trajectory_groups` dropped are counted in the step's metrics, with their reasons."""
+        `gather_trajectory_groups` dropped are counted in the step's metrics, with their reasons.
+        `_config`: ART's experimental settings (`art.dev.TrainConfig`), each applied or refused by name."""
+        config = config or TrainConfig()
+        if _config:
+            config = train_config_with(config, _config)
         body = {"groups": [g.model_dump(mode="json") for g in groups],
-                "config": (config or TrainConfig()).model_dump(),
+                "config": config.model_dump(),
                 "dropped": [d["reason"] for d in getattr(groups, "dropped", [])]}
         result = TrainResult.model_validate(await self.backend.request("POST", self._path("train"), body))
         await self._report(result.step, "train", result.metrics)

@@ -21,6 +21,14 @@ class TrainConfig(StrictModel):
         "precalculate_logprobs": "not needed: the rollout's own logprobs are used where they came with it",
         "allow_training_without_logprobs": "always so here: a turn without logprobs trains with importance ratio 1",
         "save_checkpoint": "every step is saved and served as `<name>@<step>`",
+        # ART 0.5.23's: they change when ART saves the optimizer and which policy its KL uses; taken (with a note
+        # that they change nothing here) as `backend.train(model, groups, ...)` keywords or `model.train(_config=...)`
+        "kl_penalty_source": "pass it to backend.train() or model.train(_config={...}), which take it (ART's KL "
+                             "penalty is off here; `beta` is the KL term)",
+        "optimizer_save_interval": "pass it to backend.train() or model.train(_config={...}), which take it (the "
+                                   "optimizer state is saved every step here)",
+        "final_training_step": "pass it to backend.train() or model.train(_config={...}), which take it (the "
+                               "optimizer state is saved every step here)",
     }
 
     learning_rate: float = Field(default=1e-5, gt=0)

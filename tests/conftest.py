@@ -8,6 +8,7 @@ The embedded model is converted from its GGUF once into the cache dir
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import subprocess
 import sys
@@ -125,6 +126,25 @@ def server(embedded_engine: TorchEngine) -> Iterator[ServerThread]:
 def tiny_server(tiny_engine: TorchEngine) -> Iterator[ServerThread]:
     with ServerThread(create_app(tiny_engine)) as running:
         yield running
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
+    """A real S3 endpoint on 127.0.0.1 (moto's server mode); the backend, and scripts run from the
+    test, reach it through the AWS_* variables, as on a machine with credentials. Its URL."""
+    from moto.server import ThreadedMotoServer  # the dev extra's; only these tests need it
+
+    monkeypatch.setattr(logging.getLogger("werkzeug"), "level", logging.WARNING)  # a line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    for name, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": str(tmp_path / "none"),
+                        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")}.items():
+        monkeypatch.setenv(name, value)
+    yield endpoint
+    server.stop()
 
 
 def random_adapter(model_dir: Path, path: Path, target_modules: list[str], *, seed: int = 0, rank: int = 4,

@@ -28,17 +28,25 @@ FIXTURES = REPO / "tests" / "fixtures"
 
 # ----- ART's scripts, imports changed only ------------------------------------------------------
 
+def _run_script(script: str, cwd: Path, tiny_model_dir: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run one of tests/art_scripts/ on the tiny model, as a user runs it; it must succeed."""
+    source = (REPO / "tests" / "art_scripts" / f"{script}.py").read_text()
+    assert "art_integrations" in source and "import art\n" not in source and "from art." not in source
+    cwd.mkdir(parents=True, exist_ok=True)
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "art_scripts" / f"{script}.py")], cwd=cwd,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "backend")]),
+                              "ART_BACKEND_MODEL": str(tiny_model_dir),
+                              "BASE_MODEL": tiny_model_dir.name, **env},
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
 @pytest.mark.parametrize("script", ["single_turn", "environment_loop", "tool_calls"])
 def test_an_art_script_trains_a_step_with_only_its_imports_changed(script: str, tmp_path: Path, tiny_model_dir: Path,
                                                                    tiny_server: Any) -> None:
-    source = (REPO / "tests" / "art_scripts" / f"{script}.py").read_text()
-    assert "art_integrations" in source and "import art\n" not in source and "from art." not in source
-    env = {**os.environ, "PYTHONPATH": str(REPO), "ART_BACKEND_MODEL": str(tiny_model_dir),
-           "BASE_MODEL": tiny_model_dir.name, "JUDGE_MODEL": tiny_model_dir.name,
-           "ART_JUDGE_BASE_URL": f"{tiny_server.base_url}/v1"}  # RULER's judge: another endpoint serving the tiny model
-    run = subprocess.run([sys.executable, str(REPO / "tests" / "art_scripts" / f"{script}.py")], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = _run_script(script, tmp_path, tiny_model_dir, JUDGE_MODEL=tiny_model_dir.name,
+                      ART_JUDGE_BASE_URL=f"{tiny_server.base_url}/v1")  # RULER's judge: another endpoint, the tiny model
     assert "step 1" in run.stdout
 
     models = tmp_path / ".art" / "art-port" / "models"
@@ -56,6 +64,36 @@ def test_an_art_script_trains_a_step_with_only_its_imports_changed(script: str, 
         assert [h["split"] for h in history] == ["train", "val"]
         judged = int(run.stdout.split("judged ")[1].split()[0])
         assert judged == 2 or f"RULER judge {tiny_model_dir.name!r} at {tiny_server.base_url}/v1" in run.stderr
+
+
+def test_a_game_loop_backed_up_to_s3_resumes_on_another_machine(tmp_path: Path, tiny_model_dir: Path,
+                                                                 s3: str) -> None:
+    """ART's game examples: pull from S3, register, train with _config, push; run again elsewhere."""
+    first = _run_script("game_s3", tmp_path / "first", tiny_model_dir, BACKUP_BUCKET="games", TRAINING_STEPS="1")
+    assert "trained step 1" in first.stdout and "ART_BACKEND_MAX_MODEL_LEN=8192" in first.stderr
+    assert '"num_scheduler_steps": 1' in first.stderr  # named in the warning, as every engine setting asked for
+    assert "logprob_calculation_chunk_size=8 is taken but changes nothing" in first.stderr
+    second = _run_script("game_s3", tmp_path / "second", tiny_model_dir, BACKUP_BUCKET="games", TRAINING_STEPS="2")
+    assert "pulled steps [1]" in second.stdout and "trained step 2" in second.stdout
+    assert "trained step 1" not in second.stdout  # resumed at the pulled step
+    pulled = tmp_path / "second" / ".art" / "nim" / "models" / "nim-001"
+    assert sorted(p.name for p in (pulled / "checkpoints").iterdir()) == ["0001", "0002"]  # pruned before a step
+    history = [json.loads(line) for line in (pulled / "history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history if h["split"] == "train"] == [1, 2]
+
+
+def test_a_validated_multi_group_loop_with_a_prompted_model_beside(tmp_path: Path, tiny_model_dir: Path,
+                                                                   s3: str) -> None:
+    """ART's email-agent example: a policy config, groups per step, val logged, a prompted model benchmarked."""
+    run = _run_script("val_and_train", tmp_path, tiny_model_dir, BACKUP_BUCKET="email")
+    assert "trained step 1" in run.stdout and "Training finished." in run.stdout
+    models = tmp_path / ".art" / "email_agent" / "models"
+    history = [json.loads(line) for line in (models / "email-agent-002" / "history.jsonl").read_text().splitlines()]
+    assert [(h["step"], h["split"]) for h in history] == [(0, "val"), (1, "train"), (1, "val")]
+    assert next(h for h in history if h["split"] == "train")["groups/trained"] + \
+        next(h for h in history if h["split"] == "train")["groups/skipped_zero_variance"] == 2
+    prompted = [json.loads(line) for line in (models / "prompted-base" / "history.jsonl").read_text().splitlines()]
+    assert [(h["step"], h["split"], h["trajectories"]) for h in prompted] == [(0, "val", 4)]
 
 
 # ----- ART's names --------------------------------------------------------------------------------
@@ -141,8 +179,10 @@ def test_an_appended_openai_choice_keeps_its_tokens_or_fails_at_once() -> None:
 
 @pytest.mark.parametrize(("build", "named", "hint"), [
     (lambda: art.TrainableModel(name="m", project="p", base_path="/tmp/x"), "base_path", "art_dir"),
-    (lambda: art.TrainableModel(name="m", project="p", _internal_config={"engine_args": {}}), "_internal_config",
+    (lambda: art.Model(name="m", project="p", _internal_config={"engine_args": {}}), "_internal_config",
      "art-backend serve --help"),
+    (lambda: art.TrainableModel(name="m", project="p", run_name="m-run-2"), "run_name", "under `name`"),
+    (lambda: art.TrainConfig(optimizer_save_interval=5), "optimizer_save_interval", "backend.train()"),
     (lambda: art.TrainConfig(kl_penalty_coef=0.1), "kl_penalty_coef", "beta"),
     (lambda: art.TrainConfig(learning_rate=1e-5, loss_fn="ppo"), "loss_fn", "`loss`"),
     (lambda: art.Model(name="m", project="p", entity="me"), "entity", "WANDB_ENTITY"),
@@ -157,8 +197,8 @@ def test_what_is_not_known_is_refused_by_name(build: Any, named: str, hint: str)
 
 
 def test_art_names_without_a_counterpart_say_what_to_use() -> None:
-    with pytest.raises(AttributeError, match="'dev' .*art-backend serve --help"):
-        art.dev.InternalModelConfig  # noqa: B018 - the attribute access is the test
+    with pytest.raises(AttributeError, match="'tensorize' .*builds the training tensors"):
+        art.tensorize  # noqa: B018 - the attribute access is the test
     with pytest.raises(AttributeError, match="capture_auto_trajectory.*art_capture"):
         art.capture_auto_trajectory  # noqa: B018
     with pytest.raises(AttributeError, match="no attribute 'Trajectroy'"):

@@ -16,11 +16,15 @@ MOMENTS = (
     "history_appended",      # the history line is written; the trajectories are not yet published
     "step_published",        # everything is on disk; the new checkpoint is not yet served
 )
+# moments of a push to object storage (training/sync.py), apart: MOMENTS are a train step's, in order
+SYNC_MOMENTS = (
+    "push_files_uploaded",   # a push copied its files to the store; its manifest is not yet written
+)
 
 _KILL_AT = frozenset(name for name in os.environ.get("ART_TEST_KILL_AT", "").split(",") if name)
-if not _KILL_AT <= set(MOMENTS):
-    raise RuntimeError(f"ART_TEST_KILL_AT names unknown moments {sorted(_KILL_AT - set(MOMENTS))}; "
-                       f"known: {', '.join(MOMENTS)}")
+if not _KILL_AT <= set(MOMENTS + SYNC_MOMENTS):
+    raise RuntimeError(f"ART_TEST_KILL_AT names unknown moments {sorted(_KILL_AT - set(MOMENTS + SYNC_MOMENTS))}; "
+                       f"known: {', '.join(MOMENTS + SYNC_MOMENTS)}")
 
 
 def kill_point(moment: str) -> None:

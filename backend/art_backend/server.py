@@ -44,6 +44,7 @@ from art_backend.grammar import GrammarError, json_grammar
 from art_backend.training.routes import training_router
 from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.service import BaseModelMismatchError, TrainingRequestError, TrainingService, UnknownModelError
+from art_backend.training.sync import StorageError, SyncRefused
 from art_backend.protocol import ChatCompletionRequest, TokenRecordsRequest, completion_id, error_body, now
 
 logger = logging.getLogger(__name__)
@@ -487,10 +488,15 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
     async def on_unknown_trained_model(_: Request, error: UnknownModelError) -> JSONResponse:
         return JSONResponse(error_body(str(error), "NotFoundError", "name", 404), status_code=404)
 
+    @app.exception_handler(StorageError)
+    async def on_storage(_: Request, error: StorageError) -> JSONResponse:
+        return JSONResponse(error_body(str(error), "StorageError", "url", 502), status_code=502)
+
     @app.exception_handler(ChatFormatError)
     @app.exception_handler(GrammarError)
     @app.exception_handler(InvalidSamplingError)
     @app.exception_handler(TrainingRequestError)
+    @app.exception_handler(SyncRefused)
     @app.exception_handler(UnsupportedFeatureError)
     async def on_bad_request(_: Request, error: Exception) -> JSONResponse:
         return JSONResponse(error_body(str(error), "BadRequestError", None, 400), status_code=400)

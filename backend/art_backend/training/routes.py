@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter
 from fastapi import Path as PathParameter
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
 from art_backend.protocol import refuse_lone_surrogates
+from art_backend.training import sync
 from art_backend.training.service import TrainingService
 from art_integrations.training import LoraConfig, TrainConfig
 from art_integrations.trajectory import TrajectoryGroup
@@ -60,6 +61,23 @@ class LogBody(_Body):
     split: Name = "val"
 
 
+class PushBody(_Body):
+    url: str = Field(description="an fsspec URL used as an art dir in storage (s3://bucket/prefix, file:///path, ...): "
+                     "the model goes to <url>/<project>/models/<name>/")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec's options for the store "
+                                            "(e.g. {\"endpoint_url\": ...}); credentials are best left to the "
+                                            "backend machine's own (AWS_* variables, its role)")
+    delete: bool = Field(default=False, description="also remove from the store the steps and files the art dir "
+                         "no longer has (after delete_checkpoints)")
+
+
+class PullBody(_Body):
+    url: str
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    step: int | Literal["latest"] | None = Field(default=None, description="one step, the newest, or all (None)")
+    exclude: set[sync.Part] = Field(default_factory=set, description="parts left in the store")
+
+
 class DeleteCheckpointsBody(_Body):
     best_metric: str = "reward/mean"
     best_split: str = "val"
@@ -93,5 +111,13 @@ def training_router(service: TrainingService) -> APIRouter:
     @router.post("/models/{project}/{name}/delete_checkpoints")
     async def delete_checkpoints(project: NameInPath, name: NameInPath, body: DeleteCheckpointsBody) -> dict[str, Any]:
         return await service.delete_checkpoints(project, name, body.best_metric, body.best_split)
+
+    @router.post("/models/{project}/{name}/push")
+    async def push(project: NameInPath, name: NameInPath, body: PushBody) -> dict[str, Any]:
+        return await service.push(project, name, body.url, body.storage_options, body.delete)
+
+    @router.post("/models/{project}/{name}/pull")
+    async def pull(project: NameInPath, name: NameInPath, body: PullBody) -> dict[str, Any]:
+        return await service.pull(project, name, body.url, body.storage_options, body.step, body.exclude)
 
     return router

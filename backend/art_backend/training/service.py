@@ -16,11 +16,12 @@ import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from art_backend.durable import write_atomically
 from art_backend.engine.base import Engine, is_base_model
 from art_backend.kill_points import kill_point
+from art_backend.training import sync
 from art_backend.training.checkpoints import DamagedCheckpointError, ModelFiles, checkpoint_problem
 from art_backend.training.tokenize import TokenizeStats, TrainSequence, tokenize_trajectory
 from art_integrations.training import LoraConfig, TrainConfig
@@ -161,11 +162,7 @@ class TrainingService:
                 f"{base_model}`, or LocalBackend(model={base_model!r})), or register with base_model={served!r}.")
         directory = self._model_directory(project, name)
         async with self._locks[name]:
-            model = ModelFiles(project, name, self._stored_lora(project, name) or lora, directory)
-            try:
-                self.engine.check_lora(model.lora)
-            except ValueError as error:
-                raise TrainingRequestError(str(error)) from error
+            model = ModelFiles(project, name, self._checked_lora(self._stored_lora(project, name) or lora), directory)
             self._save_description(model)
             await asyncio.to_thread(model.recover)
             step = await self._newest_loadable(model, fall_back)
@@ -173,6 +170,14 @@ class TrainingService:
             self._models[name] = model
         return {"step": step, "inference_name": name, "base_model": self.engine.base_model_name,
                 "directory": str(model.directory)}
+
+    def _checked_lora(self, lora: LoraConfig) -> LoraConfig:
+        """`lora`, if the engine can serve it (vLLM's max_lora_rank)."""
+        try:
+            self.engine.check_lora(lora)
+        except ValueError as error:
+            raise TrainingRequestError(str(error)) from error
+        return lora
 
     def _stored_lora(self, project: str, name: str) -> LoraConfig | None:
         """A model keeps the adapter shape it started with."""
@@ -289,6 +294,29 @@ class TrainingService:
         record = {"step": step, "split": split, "time": time.time(), **metrics}
         await asyncio.to_thread(model.record, record, split, groups)
         return {"step": step, "metrics": metrics}
+
+    # ----- object storage -----------------------------------------------------------------
+
+    async def push(self, project: str, name: str, url: str, options: dict[str, Any], delete: bool) -> dict[str, Any]:
+        """Copy the model's files to `url` (see `sync.py`); no step commits while it runs."""
+        model = self.model(project, name)
+        async with self._locks[name]:
+            return await asyncio.to_thread(sync.push, model, url, options, delete)
+
+    async def pull(self, project: str, name: str, url: str, options: dict[str, Any],
+                   step: int | Literal["latest"] | None, exclude: set[sync.Part]) -> dict[str, Any]:
+        """Bring the model's files from `url` into the art dir. Before `register`, registering then
+        resumes from the newest pulled step; after it, the pulled steps are served at once."""
+        registered = self._models.get(name)
+        if registered is not None and registered.project != project:
+            self._model_directory(project, name)  # refuses the name taken by another project
+        async with self._locks[name]:
+            model = registered or ModelFiles(project, name, LoraConfig(), self._model_directory(project, name))
+            result = await asyncio.to_thread(sync.pull, model, url, options, step, exclude)
+            if registered is not None and registered.trainable and result["pulled"]:
+                registered.lora = self._checked_lora(self._stored_lora(project, name) or registered.lora)
+                await self._serve(registered, await self._newest_loadable(registered, fall_back=False))
+        return result
 
     def history(self, project: str, name: str) -> list[dict[str, Any]]:
         return self.model(project, name).history()
