@@ -98,3 +98,18 @@ async def test_a_registered_model_takes_its_internal_config_and_trains_with_unde
         other = art.TrainableModel(name="other", project="ports", _internal_config={"engine_args": {"enable_lora": False}})
         with pytest.raises(ArtConfigError, match="enable_lora=False .*always True"):
             await other.register(backend)
+
+
+async def test_a_backend_given_no_model_starts_with_the_first_models_internal_config(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ART's pattern: `LocalBackend()`, then a model whose `_internal_config` sizes the engine; here the
+    backend starts on that model's base with those settings (not only a warning)."""
+    monkeypatch.delenv("ART_BACKEND_MODEL", raising=False)
+    async with art.LocalBackend(art_dir=tmp_path) as backend:
+        model = art.TrainableModel(name="sized", project="ports", base_model=str(tiny_model_dir),
+                                   _internal_config={"init_args": {"max_seq_length": 512}})
+        await model.register(backend)
+        client = model.openai_client()
+        with pytest.raises(Exception, match="maximum context length is 512 tokens"):
+            await client.chat.completions.create(model=model.name, max_tokens=600,
+                                                 messages=[{"role": "user", "content": "hi"}])
