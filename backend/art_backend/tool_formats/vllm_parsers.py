@@ -44,9 +44,10 @@ class _VLLMToolCalls:
         extracted = self._parser.extract_tool_calls(text, request)
         if not extracted.tools_called:
             unread = self._format.markup_start(text) is not None
-            return ParsedOutput(text, [], f"vLLM's {self._format.name} parser read no call from the reply's call "
-                                          "markup" if unread else None)
-        calls = [ParsedToolCall(call.id or self._format.new_call_id(), call.function.name, call.function.arguments)
+            return ParsedOutput(text, [], f"tool call markup did not parse (vLLM's {self._format.name} parser read "
+                                          "no call from it)" if unread else None)
+        # ids in the family's own shape on both engines (vLLM's hermes parser names them chatcmpl-tool-...)
+        calls = [ParsedToolCall(self._format.new_call_id(), call.function.name, call.function.arguments)
                  for call in extracted.tool_calls]
         content = extracted.content  # vLLM's keeps the space before a call; ours, and clients, have no use for it
         return ParsedOutput(content if content and content.strip() else None, calls, None)
