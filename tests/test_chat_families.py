@@ -14,7 +14,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from art_backend.chat_format import ChatFormatError, ChatFormatter, Prompt, ReplyStream
+from art_backend.chat_format import ChatFormatError, ChatFormatter, ReplyStream
 from art_backend.server import create_app
 from art_backend.tool_formats import TOOL_CALL_PARSERS, tool_call_parser_for
 from art_backend.training.tokenize import TokenizeStats, tokenize_trajectory
