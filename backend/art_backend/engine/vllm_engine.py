@@ -6,8 +6,9 @@ formatter (so the ids we return are exactly those the model saw), the same llgui
 for forced tool calls and JSON (vLLM's structured outputs, guidance backend), and the same stop
 tokens. Penalties, logit bias and the top-k, min-p and top-p cuts are vLLM's own, which the
 torch engine follows (`sampling.py`), and logprobs are vLLM's `processed_logprobs`: of the
-distribution each token was drawn from, as the torch engine reports them, except that vLLM
-takes them after a grammar's mask, so a token a grammar forces gets logprob 0.
+distribution each token was drawn from, as the torch engine reports them; under a grammar, the
+policy's own before the grammar's mask, as on the torch engine (`vllm_policy_logprobs.py`: vLLM
+itself takes them after the mask, 0.0 for a forced token).
 
 Every checkpoint is a `LoRARequest` read from its directory. A training step pauses
 scheduling (requests in flight freeze, new ones queue; on a GPU vLLM also sleeps, level 1, so
@@ -47,6 +48,7 @@ from art_backend.engine.base import (
     is_base_model,
 )
 from art_backend.engine.sampling import LOWEST_LOGPROB
+from art_backend.engine import vllm_policy_logprobs as policy_logprobs
 from art_backend.grammar import Constrainer, GrammarError
 from art_backend.tool_formats.vllm_parsers import use_vllm_parsers
 from art_backend.training.checkpoints import DamagedCheckpointError
@@ -110,6 +112,7 @@ def vllm_engine_args(model_dir: Path, served_model_name: str, max_model_len: int
         "max_cpu_loras": max_cpu_loras, "tensor_parallel_size": tensor_parallel_size,
         "data_parallel_size": data_parallel_size,
         "logprobs_mode": "processed_logprobs", "structured_outputs_config": {"backend": "guidance"},
+        "worker_extension_cls": policy_logprobs.WORKER_EXTENSION,
         "enable_prefix_caching": True, "enable_sleep_mode": on_gpu, "disable_log_stats": True,
     }
     if max_batch_size is not None:
@@ -184,6 +187,9 @@ class VLLMEngine:
         unknown = sorted(set(extra) - set(AsyncEngineArgs.__dataclass_fields__))
         if unknown:
             raise ValueError(f"Not vLLM engine arguments: {', '.join(unknown)} (see vllm.AsyncEngineArgs).")
+        if "worker_extension_cls" in extra:
+            raise ValueError("worker_extension_cls is the backend's own (it makes logprobs under a grammar the "
+                             "policy's, engine/vllm_policy_logprobs.py): leave it out of the engine arguments.")
         args.update(extra)
         self.engine_args = AsyncEngineArgs(**args)
 
@@ -208,7 +214,11 @@ class VLLMEngine:
         # As vLLM's own OpenAI server starts it: the batch limits vLLM picks by hardware are the
         # server's (on an H100: 1024 sequences and 8192 tokens per step; the engine context's
         # fallback is 128 and 2048, which capped a GPU's rollouts at 128 in flight)
-        return async_llm.from_engine_args(self.engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
+        llm = async_llm.from_engine_args(self.engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
+        if not all(await llm.collective_rpc(policy_logprobs.INSTALL_METHOD)):
+            logger.warning("vLLM %s: logprobs under a grammar are vLLM's own, taken after the mask (see the "
+                           "worker's log)", self._vllm.__version__)
+        return llm
 
     # ----- bridging to the engine's loop --------------------------------------------------
 
