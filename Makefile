@@ -12,7 +12,7 @@ TORCH_VERSION ?= 2.13.0
 ENGINE_TESTS := tests/test_openai_api.py tests/test_engines.py tests/test_training_backend.py tests/test_grpo_learns.py \
 	tests/test_chat_families.py
 
-.PHONY: setup setup-vllm setup-art browser run smoke test bench-serving bench-vllm-serving bench-lora-serving bench-training bench-capture bench-rollouts clean
+.PHONY: setup setup-vllm setup-art browser run smoke test bench-serving bench-vllm-serving bench-lora-serving bench-training bench-capture bench-rollouts bench-learning clean
 
 # $(call new_venv,DIR,PACKAGES): a venv at DIR with the pinned CPU torch, the embedded model and PACKAGES.
 define new_venv
@@ -97,6 +97,10 @@ bench-capture: setup
 # rollouts/s in-process vs a local Ray cluster of one and two nodes; ARGS="--repeats 5"
 bench-rollouts: setup
 	$(BIN)/python benchmarks/bench_rollouts.py $(ARGS)
+
+# held-out gain over seeds, one job after another; ARGS="--engines torch,vllm --seeds 3" or "--example email_search"
+bench-learning: setup
+	$(BIN)/python benchmarks/bench_learning.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(ART_VENV)

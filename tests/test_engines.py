@@ -132,9 +132,13 @@ async def test_a_grammar_holds_and_the_logprobs_are_the_policys_own(engine: Engi
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
               "additionalProperties": False}
     grammar = json_grammar({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
-    prompt = _prompt(engine, "What is 2 + 2?")
-    outs = await _run(engine, GenerationRequest(
-        prompt, SamplingParams(max_tokens=30, temperature=0.7, seed=0, grammar=grammar), n=4))
+    prompt, free_prompt = _prompt(engine, "What is 2 + 2?"), _prompt(engine, "Name three colors.")
+    outs, free = await asyncio.gather(  # one batch: rows with and without a grammar side by side
+        _run(engine, GenerationRequest(prompt, SamplingParams(max_tokens=30, temperature=0.7, seed=0, grammar=grammar),
+                                       n=4)),
+        _run(engine, GenerationRequest(free_prompt, SamplingParams(max_tokens=24, temperature=0.7, seed=1))))
+    assert free[0]["logprobs"] == pytest.approx(
+        _trainer_logprobs(reference_model, free_prompt, free[0]["ids"], 0.7), abs=2e-3)
     for out in outs.values():
         assert out["finish"] == "stop"
         assert isinstance(json.loads(out["text"])["answer"], int)

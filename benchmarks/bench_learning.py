@@ -1,0 +1,156 @@
+"""How much an example's job learns, over seeds, on each engine: one job per (seed, engine), run
+one after another from this clone, side by side within each seed so a noisy machine's drift hits
+every engine alike.
+
+Each job is the example's own `train` module, as a user runs it, with its held-out score before and
+after training (greedy, the same held-out scenarios for every seed). On the torch engine the job
+starts its own backend (`--engine torch`); on the vLLM engine a backend is started from the vLLM
+venv (`art-backend serve --engine vllm`) and the job trains through `--backend-url`. Each job gets
+a fresh art directory, so nothing resumes.
+
+Prints one row per job (seed, engine, base, trained, gain, the job's minutes as it reports them:
+on torch they include starting the backend, on vLLM not) and a summary per engine: the smallest and
+median gain, and how many seeds reached `--target`. With both engines, each seed's vLLM gain minus
+its torch gain.
+
+    .venv/bin/python benchmarks/bench_learning.py [--example city_facts] [--seeds 10] [--engines torch,vllm]
+        [-- extra arguments for the job, e.g. --steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SUMMARY = re.compile(r"held-out score: base (?P<base>[-\d.]+) -> trained (?P<trained>[-\d.]+) \([-+\d.]+\) "
+                     r"in (?P<minutes>[\d.]+) min")
+
+
+@dataclass
+class Run:
+    seed: int
+    engine: str
+    base: float
+    trained: float
+    minutes: float
+
+    @property
+    def gain(self) -> float:
+        return self.trained - self.base
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_serving(url: str, server: subprocess.Popen[bytes], log: Path, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"the vLLM backend exited with {server.returncode} before serving; its log: {log}")
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=5):
+                return
+        except OSError:
+            time.sleep(2)
+    raise SystemExit(f"the vLLM backend did not serve within {timeout:.0f} s; its log: {log}")
+
+
+def run_job(example: str, seed: int, engine: str, job_args: list[str], vllm_python: Path, workdir: Path) -> Run:
+    art_dir = workdir / f"{engine}-s{seed}"
+    job = [sys.executable, "-m", f"examples.{example}.train", "--seed", str(seed), *job_args]
+    server = None
+    if engine == "torch":
+        job += ["--engine", "torch", "--art-dir", str(art_dir)]
+    else:
+        port, log = free_port(), workdir / f"vllm-s{seed}.log"
+        server = subprocess.Popen(
+            [str(vllm_python), "-m", "art_backend", "serve", "--engine", "vllm", "--port", str(port),
+             "--art-dir", str(art_dir)], cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+        try:
+            wait_until_serving(f"http://127.0.0.1:{port}", server, log)
+        except BaseException:
+            server.kill()
+            raise
+        job += ["--backend-url", f"http://127.0.0.1:{port}", "--art-dir", str(art_dir)]
+    print(f"seed {seed}, {engine} engine: {' '.join(job[1:])}", flush=True)
+    try:
+        output = subprocess.run(job, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=120)
+    match = SUMMARY.search(output.stdout)
+    if output.returncode != 0 or match is None:
+        raise SystemExit(f"seed {seed} on the {engine} engine failed (exit {output.returncode}):\n"
+                         f"{output.stdout[-3000:]}\n{output.stderr[-3000:]}")
+    for line in output.stdout.splitlines():
+        if line.startswith("step "):
+            print(f"  {line}", flush=True)
+    run = Run(seed, engine, float(match["base"]), float(match["trained"]), float(match["minutes"]))
+    print(f"  held-out {run.base:.3f} -> {run.trained:.3f} ({run.gain:+.3f}) in {run.minutes:.1f} min", flush=True)
+    return run
+
+
+def print_table(runs: list[Run], engines: list[str], target: float) -> None:
+    print(f"\n{'seed':>4} {'engine':>7} {'base':>6} {'trained':>8} {'gain':>7} {'minutes':>8}")
+    for run in runs:
+        print(f"{run.seed:>4} {run.engine:>7} {run.base:>6.3f} {run.trained:>8.3f} {run.gain:>+7.3f} {run.minutes:>8.1f}")
+    print(f"\n{'engine':>7} {'seeds':>5} {'min gain':>9} {'median gain':>12} {f'gain >= {target:+.2f}':>14} "
+          f"{'median min':>11}")
+    for engine in engines:
+        gains = [r.gain for r in runs if r.engine == engine]
+        minutes = [r.minutes for r in runs if r.engine == engine]
+        print(f"{engine:>7} {len(gains):>5} {min(gains):>+9.3f} {statistics.median(gains):>+12.3f} "
+              f"{sum(g >= target for g in gains):>11}/{len(gains):<2} {statistics.median(minutes):>11.1f}")
+    if set(engines) == {"torch", "vllm"}:
+        by_seed = {(r.seed, r.engine): r.gain for r in runs}
+        seeds = sorted({r.seed for r in runs})
+        differences = [by_seed[s, "vllm"] - by_seed[s, "torch"] for s in seeds]
+        print("\nvLLM gain - torch gain, per seed: "
+              + ", ".join(f"seed {s} {d:+.3f}" for s, d in zip(seeds, differences))
+              + f"; seeds within 0.05 or above: {sum(d >= -0.05 for d in differences)}/{len(seeds)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--example", default="city_facts", help="a folder of examples/ with a train module")
+    parser.add_argument("--seeds", type=int, default=10, help="seeds 0 .. N-1")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--engines", default="torch", help="torch, vllm, or torch,vllm")
+    parser.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
+                        help="the vLLM venv's python (make setup-vllm)")
+    parser.add_argument("--target", type=float, default=0.3, help="the gain each seed should reach")
+    parser.add_argument("job_args", nargs=argparse.REMAINDER, help="after --: passed to every job")
+    args = parser.parse_args()
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if unknown := sorted(set(engines) - {"torch", "vllm"}):
+        parser.error(f"--engines: {', '.join(unknown)} is not an engine (torch, vllm)")
+    if not (ROOT / "examples" / args.example / "train.py").is_file():
+        parser.error(f"--example {args.example}: no examples/{args.example}/train.py")
+    if "vllm" in engines and not args.vllm_python.is_file():
+        parser.error(f"--vllm-python {args.vllm_python} does not exist: `make setup-vllm` makes it")
+    job_args = [a for a in args.job_args if a != "--"]
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-learning-") as workdir:
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
+            for engine in engines:
+                runs.append(run_job(args.example, seed, engine, job_args, args.vllm_python, Path(workdir)))
+    print_table(runs, engines, args.target)
+
+
+if __name__ == "__main__":
+    main()
