@@ -87,19 +87,23 @@ def run_job(example: str, seed: int, engine: str, job_args: list[str], vllm_pyth
             raise
         job += ["--backend-url", f"http://127.0.0.1:{port}", "--art-dir", str(art_dir)]
     print(f"seed {seed}, {engine} engine: {' '.join(job[1:])}", flush=True)
+    lines: list[str] = []
     try:
-        output = subprocess.run(job, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        with subprocess.Popen(job, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"}) as process:
+            assert process.stdout is not None
+            for line in process.stdout:
+                lines.append(line.rstrip())
+                if line.startswith(("step ", "base model", "trained policy")):
+                    print(f"  {line.rstrip()}", flush=True)
     finally:
         if server is not None:
             server.terminate()
             server.wait(timeout=120)
-    match = SUMMARY.search(output.stdout)
-    if output.returncode != 0 or match is None:
-        raise SystemExit(f"seed {seed} on the {engine} engine failed (exit {output.returncode}):\n"
-                         f"{output.stdout[-3000:]}\n{output.stderr[-3000:]}")
-    for line in output.stdout.splitlines():
-        if line.startswith("step "):
-            print(f"  {line}", flush=True)
+    match = SUMMARY.search("\n".join(lines))
+    if process.returncode != 0 or match is None:
+        tail = "\n".join(lines[-60:])
+        raise SystemExit(f"seed {seed} on the {engine} engine failed (exit {process.returncode}):\n{tail}")
     run = Run(seed, engine, float(match["base"]), float(match["trained"]), float(match["minutes"]))
     print(f"  held-out {run.base:.3f} -> {run.trained:.3f} ({run.gain:+.3f}) in {run.minutes:.1f} min", flush=True)
     return run
