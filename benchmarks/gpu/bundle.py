@@ -237,7 +237,8 @@ def check(out: Path) -> str:
     shutil.rmtree(wheels, ignore_errors=True)
     assemble_all(out / "batches", wheels)
     stubs, constraints = write_stubs(out / "check", {})
-    result = pip("install", "--dry-run", "--ignore-installed", "--no-index", *PLATFORM_ARGS,
+    # --isolated: this machine's pip configuration (its find-links, its constraints) stays out of it
+    result = pip("--isolated", "install", "--dry-run", "--ignore-installed", "--no-index", *PLATFORM_ARGS,
                  "--target", str(out / "unused-target"), "--find-links", str(wheels),
                  "--find-links", str(stubs), "-c", str(constraints),
                  *requirements(), capture=True)

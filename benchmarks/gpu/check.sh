@@ -27,7 +27,7 @@ ROWS=$KIT_DIR/rows.tsv
 : >"$ROWS"
 export PYTHONPATH="$PWD:$PWD/backend${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # nothing outside the GPU machine answers: no hub look-ups, no usage reports
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 HOST_PY=${KIT_PYTHON:-python3}
 row() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$ROWS"; }
 
