@@ -11,8 +11,10 @@ TORCH_VERSION ?= 2.13.0
 # The engine contract tests: each runs on the torch engine (in .venv) and on the vLLM engine (in .venv-vllm).
 ENGINE_TESTS := tests/test_openai_api.py tests/test_engines.py tests/test_training_backend.py tests/test_grpo_learns.py \
 	tests/test_chat_families.py
+# Tests whose vLLM part (-m vllm) runs in .venv-vllm beside the engine contract tests
+VLLM_TESTS := $(ENGINE_TESTS) tests/test_gpu_kit.py
 
-.PHONY: setup setup-vllm setup-art browser run smoke test bench-serving bench-vllm-serving bench-lora-serving bench-training bench-capture bench-rollouts bench-learning clean
+.PHONY: setup setup-vllm setup-art browser run smoke test bench-serving bench-vllm-serving bench-lora-serving bench-training bench-capture bench-rollouts bench-learning gpu-bundle clean
 
 # $(call new_venv,DIR,PACKAGES): a venv at DIR with the pinned CPU torch, the embedded model and PACKAGES.
 define new_venv
@@ -74,7 +76,7 @@ test: setup setup-vllm setup-art browser
 	$(BIN)/python -m pytest -m "not vllm"
 	@# the vLLM tests skip where vllm does not import: here it must, or the run would pass having tested nothing
 	$(VLLM_BIN)/python -c "import vllm"
-	$(VLLM_BIN)/python -m pytest -m vllm $(ENGINE_TESTS)
+	$(VLLM_BIN)/python -m pytest -m vllm $(VLLM_TESTS)
 
 # ARGS="--dtype float32,bfloat16" adds the bf16 rows (each against transformers in bf16)
 bench-serving: setup
@@ -102,5 +104,17 @@ bench-rollouts: setup
 bench-learning: setup
 	$(BIN)/python benchmarks/bench_learning.py $(ARGS)
 
+# The GPU kit (docs/gpu.md): every wheel the GPU path needs beyond what the lent GPU machine has, and
+# the embedded model, in batches of at most 60 MiB under .gpu-bundle/batches, checked to resolve
+# offline; then on that machine `bash benchmarks/gpu/check.sh`, one batch carried per call.
+# It runs under Python 3.12 (GPU_PYTHON), the GPU machine's: pip reads requirement markers with the
+# interpreter it runs in.
+GPU_PYTHON ?= python3.12
+GPU_BUNDLE_VENV ?= .venv-gpu-bundle
+gpu-bundle:
+	test -x $(GPU_BUNDLE_VENV)/bin/python || $(GPU_PYTHON) -m venv $(GPU_BUNDLE_VENV)
+	$(GPU_BUNDLE_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(GPU_BUNDLE_VENV)/bin/python benchmarks/gpu/bundle.py build
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(ART_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(ART_VENV) $(GPU_BUNDLE_VENV)

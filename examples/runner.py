@@ -213,10 +213,11 @@ async def train(example: Example, args: argparse.Namespace) -> None:
                 [trajectory_group(lambda s=s: example.rollout(policy, s), n=args.rollouts, scenario=s.id)
                  for s in batch],
                 max_exceptions=0.1, after_each=after_each, progress=False)
+            called = time.perf_counter()
             result = await model.train(groups, TrainConfig(learning_rate=args.learning_rate,
                                                            temperature=args.temperature))
-            print(step_line(example, step + 1, args.steps, result.metrics, len(groups) + len(groups.dropped)),
-                  flush=True)
+            print(step_line(example, step + 1, args.steps, result.metrics, len(groups) + len(groups.dropped))
+                  + f", train() returned in {time.perf_counter() - called:.2f} s", flush=True)
         final_step = await model.get_step()
         trained = await held_out_score(example, model, final_step, held_out, args.max_tokens, "trained policy")
         directory = Path(args.art_dir) / model.project / "models" / model.name

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,3 +119,38 @@ def test_json_has_arts_trajectory_shape() -> None:
     assert data["messages_and_choices"][1]["logprobs"]["content"][0]["logprob"] == -0.5
     again = Trajectory.model_validate_json(trajectory.model_dump_json())
     assert isinstance(again.messages_and_choices[1], Choice) and again == trajectory
+
+
+def _trainer_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> object:
+    """`load_trainable_model` as on a GPU, with peft's loader recorded instead of run (no GPU here)."""
+    from art_backend.training import trainer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(trainer, "load_peft_model", lambda model_dir: ("peft", model_dir))
+    monkeypatch.delitem(sys.modules, "art_backend.training.unsloth", raising=False)
+    monkeypatch.delitem(sys.modules, "unsloth", raising=False)
+    return trainer
+
+
+def test_trainer_falls_back_to_peft_saying_why_when_unsloth_does_not_import(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # an installed Unsloth that refuses at import, as it does on GPUs and versions it does not support
+    (tmp_path / "unsloth").mkdir()
+    (tmp_path / "unsloth" / "__init__.py").write_text('raise NotImplementedError("Unsloth: this GPU is not supported")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    trainer = _trainer_on_a_gpu(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="art_backend.training.trainer"):
+        assert trainer.load_trainable_model(tmp_path / "model", 512) == ("peft", tmp_path / "model")
+    assert "Unsloth is installed but does not import (NotImplementedError('Unsloth: this GPU is not supported'))" \
+        in caplog.text
+    assert "training with peft instead" in caplog.text
+
+
+def test_trainer_on_a_gpu_without_unsloth_says_it_trains_with_peft(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    trainer = _trainer_on_a_gpu(monkeypatch)
+    monkeypatch.setattr(trainer.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "unsloth" else importlib.util.find_spec(name, *args))
+    with caplog.at_level(logging.INFO, logger="art_backend.training.trainer"):
+        assert trainer.load_trainable_model(tmp_path, 512) == ("peft", tmp_path)
+    assert "Unsloth is not installed" in caplog.text

@@ -47,13 +47,21 @@ def load_trainable_model(model_dir: Path, max_seq_length: int) -> tuple[PreTrain
     on a GPU where `unsloth` imports (its kernels, our loss), else transformers' (float32 on CPU,
     the precision the torch engine serves and the importance ratio compares; bfloat16 on a GPU);
     and whether its steps can run packed (see `LoraTrainer`)."""
-    if torch.cuda.is_available() and importlib.util.find_spec("unsloth") is not None:
-        try:
-            from art_backend.training.unsloth import load_unsloth_model
-        except Exception as error:  # noqa: BLE001 - Unsloth refuses some GPUs and versions at import
-            logger.warning("Unsloth is installed but does not import (%r); training with peft instead", error)
+    if torch.cuda.is_available():
+        if importlib.util.find_spec("unsloth") is None:
+            logger.info("Trainer: Unsloth is not installed (art-backend[unsloth]); training with peft")
         else:
-            return load_unsloth_model(model_dir, max_seq_length)
+            try:
+                from art_backend.training.unsloth import load_unsloth_model
+            except Exception as error:  # noqa: BLE001 - Unsloth refuses some GPUs and versions at import
+                logger.warning("Unsloth is installed but does not import (%r); training with peft instead", error)
+            else:
+                return load_unsloth_model(model_dir, max_seq_length)
+    return load_peft_model(model_dir)
+
+
+def load_peft_model(model_dir: Path) -> tuple[PreTrainedModel, FirstAdapter, bool]:
+    """transformers' model for peft's LoRA (float32 on CPU, bfloat16 on a GPU), trained packed."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
