@@ -12,7 +12,7 @@ TORCH_VERSION ?= 2.13.0
 ENGINE_TESTS := tests/test_openai_api.py tests/test_engines.py tests/test_training_backend.py tests/test_grpo_learns.py \
 	tests/test_chat_families.py
 
-.PHONY: setup setup-vllm setup-art browser run smoke test bench-serving bench-vllm-serving bench-lora-serving bench-training bench-capture bench-rollouts clean
+.PHONY: setup setup-vllm setup-art browser run smoke docs test bench-serving bench-vllm-serving bench-lora-serving bench-training bench-capture bench-rollouts clean
 
 # $(call new_venv,DIR,PACKAGES): a venv at DIR with the pinned CPU torch, the embedded model and PACKAGES.
 define new_venv
@@ -70,6 +70,11 @@ run: setup
 smoke: setup
 	$(BIN)/python examples/smoke.py
 
+# the documentation site (docs/, mkdocs.yml) at http://127.0.0.1:8002, rebuilt on every edit;
+# `make test` builds it with --strict (tests/test_docs.py)
+docs: setup
+	$(BIN)/python -m mkdocs serve
+
 test: setup setup-vllm setup-art browser
 	$(BIN)/python -m pytest -m "not vllm"
 	@# the vLLM tests skip where vllm does not import: here it must, or the run would pass having tested nothing
@@ -99,4 +104,4 @@ bench-rollouts: setup
 	$(BIN)/python benchmarks/bench_rollouts.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(ART_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(ART_VENV) .site
