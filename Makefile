@@ -14,7 +14,7 @@ ENGINE_TESTS := tests/test_openai_api.py tests/test_engines.py tests/test_traini
 # Tests whose vLLM part (-m vllm) runs in .venv-vllm beside the engine contract tests
 VLLM_TESTS := $(ENGINE_TESTS) tests/test_gpu_kit.py
 
-.PHONY: setup setup-vllm setup-art browser run smoke test bench-serving bench-vllm-serving bench-lora-serving bench-training bench-capture bench-rollouts bench-learning gpu-bundle clean
+.PHONY: setup setup-vllm setup-art browser run smoke docs test bench-serving bench-vllm-serving bench-lora-serving bench-training bench-capture bench-rollouts bench-learning gpu-bundle clean
 
 # $(call new_venv,DIR,PACKAGES): a venv at DIR with the pinned CPU torch, the embedded model and PACKAGES.
 define new_venv
@@ -72,6 +72,11 @@ run: setup
 smoke: setup
 	$(BIN)/python examples/smoke.py
 
+# the documentation site (docs/, mkdocs.yml) at http://127.0.0.1:8002, rebuilt on every edit;
+# `make test` builds it with --strict (tests/test_docs.py)
+docs: setup
+	$(BIN)/python -m mkdocs serve
+
 test: setup setup-vllm setup-art browser
 	$(BIN)/python -m pytest -m "not vllm"
 	@# the vLLM tests skip where vllm does not import: here it must, or the run would pass having tested nothing
@@ -117,4 +122,4 @@ gpu-bundle:
 	$(GPU_BUNDLE_VENV)/bin/python benchmarks/gpu/bundle.py build
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(ART_VENV) $(GPU_BUNDLE_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(ART_VENV) $(GPU_BUNDLE_VENV) .site

@@ -3,7 +3,7 @@
 This package stays light (no torch): it talks to the backend over HTTP. ART's names are here
 too (`Model`, `TrainableModel`, `Trajectory`, `TrajectoryGroup`, `TrainConfig`,
 `gather_trajectory_groups`, `iterate_dataset`, `retry`), so an ART script runs with
-`import art_integrations as art` (README: "Coming from ART").
+`import art_integrations as art` ([Coming from ART](../art.md) in the docs).
 """
 
 from art_integrations import dev

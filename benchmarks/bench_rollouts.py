@@ -212,7 +212,7 @@ async def main(args: argparse.Namespace) -> None:
         return
     # Ray keeps idle workers up to one per CPU and ends the others after 1 s: table 3's 16 workers on
     # 2 CPUs would then start again (and import LangChain again) every round. A cluster meant for many
-    # light rollouts raises this limit the same way (README: "Scaling out"). Its own cluster: with the
+    # light rollouts raises this limit the same way (docs/scaling.md). Its own cluster: with the
     # limit raised, Ray starts spare workers, whose start would eat into tables 1 and 2's CPU.
     cluster = local_cluster({"_system_config": {"num_workers_soft_limit": max(BACKEND_CONCURRENCY)}})
     try:

@@ -46,7 +46,7 @@ def chat_art(tiny_server: ServerThread) -> ChatART:
 
 @pytest.fixture(scope="module")
 def chat_openai(tiny_server: ServerThread) -> ChatOpenAI:
-    """The user's own ChatOpenAI, set up for the handler as the README says, but with no handler."""
+    """The user's own ChatOpenAI, set up for the handler as docs/integrations/langgraph.md says, but with no handler."""
     return ChatOpenAI(model="tiny-random-smollm2", base_url=f"{tiny_server.base_url}/v1", api_key="unused",
                       max_tokens=40, timeout=30, extra_body={"return_token_ids": True})
 

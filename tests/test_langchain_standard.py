@@ -1,10 +1,11 @@
 """LangChain's standard conformance suites (`langchain-tests`) for `ChatART`: the unit suite, and
 the integration suite against a real art-backend serving the embedded model.
 
-The feature flags say what README.md claims of ChatART and the backend: tools with every
-`tool_choice`, structured output, JSON mode, token usage (streams included) and what
-ChatOpenAI's message conversion adds (Anthropic-style blocks); text only. A test is an expected
-failure only where the served 135M model lacks the capability, and its marker says how.
+The feature flags say what the docs (docs/integrations/langgraph.md, docs/backend/api.md) claim of
+ChatART and the backend: tools with every `tool_choice`, structured output, JSON mode, token usage
+(streams included) and what ChatOpenAI's message conversion adds (Anthropic-style blocks); text
+only. A test is an expected failure only where the served 135M model lacks the capability, and its
+marker says how.
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ from tests.conftest import ServerThread, free_port
 
 TINY = "tiny-random-smollm2"
 CHROMIUM = Path("/usr/bin/chromium")
+# Set, the browser test keeps its screenshots there too: `ART_SCREENSHOT_DIR=docs/img pytest tests/test_viewer.py -k
+# chromium` refreshes the documentation's pictures of the viewer (docs/review.md).
+SCREENSHOT_DIR = os.environ.get("ART_SCREENSHOT_DIR")
 TRAINED_TOKEN_RGB = (0xFC, 0xD3, 0x4D)  # .tokens span.trained in the viewer's stylesheet
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
@@ -403,6 +406,17 @@ def colour_counts(png: Path) -> dict[tuple[int, int, int], int]:
     return {colour: count for count, colour in counts}
 
 
+def keep_for_docs(model_png: Path, step_png: Path, folder: Path) -> None:
+    """The model page whole, and the top of the step page (its first group's conversations and
+    token views), as the documentation shows them."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(model_png, folder / "viewer-model.png")
+    with Image.open(step_png) as image:
+        image.crop((0, 0, image.width, 1200)).save(folder / "viewer-step.png", optimize=True)
+
+
 @pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is absent (Debian's chromium package): "
                                                   "no browser to render the pages in")
 def test_pages_render_in_headless_chromium(viewer_command: str, stored_run: StoredRun, tmp_path: Path) -> None:
@@ -418,6 +432,8 @@ def test_pages_render_in_headless_chromium(viewer_command: str, stored_run: Stor
         assert on_step_page.get(_rgb(colour), 0) > 400, colour
     assert on_step_page.get(TRAINED_TOKEN_RGB, 0) > 10_000  # trained tokens highlighted, in view (about 26,000)
     assert on_model_page.get(TRAINED_TOKEN_RGB, 0) == 0  # the highlight colour means trained tokens only
+    if SCREENSHOT_DIR:
+        keep_for_docs(model_png, step_png, Path(SCREENSHOT_DIR))
 
     dom = chromium("--dump-dom", step_url, profile=profile).stdout
     explanation = stored_run.step_one[1].trajectories[0].metadata["ruler_explanation"]

@@ -55,7 +55,7 @@ def render(board: str) -> str:
 
     No separate list of empty squares: with one, the base model already plays legally when
     greedy (it copies the first number), so the held-out score had nothing to show; without
-    it, playing legally means reading the board, which GRPO teaches (see the README figures)."""
+    it, playing legally means reading the board, which GRPO teaches (see the figures in docs/examples.md)."""
     cells = [mark if mark != "." else str(i + 1) for i, mark in enumerate(board)]
     rows = [" " + " | ".join(cells[r:r + 3]) for r in (0, 3, 6)]
     return "\n---+---+---\n".join(rows)
