@@ -26,14 +26,18 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise UnsupportedItemError(f"{where}: content must be a string or a list of parts, got {type(content).__name__}")
+        raise UnsupportedItemError(f"{where}: content must be a string or a list of parts, not "
+                                   f"{type(content).__name__}")
     texts = []
     for index, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS:
             raise UnsupportedItemError(f"{where}.content[{index}] is of type {kind!r}: only text parts "
                                        f"({', '.join(sorted(_TEXT_PARTS))}) are served; send images and files as text")
-        texts.append(part.get(_TEXT_PARTS[kind]) or "")
+        text = part.get(_TEXT_PARTS[kind]) or ""
+        if not isinstance(text, str):
+            raise UnsupportedItemError(f"{where}.content[{index}].{_TEXT_PARTS[kind]} must be a string")
+        texts.append(text)
     return "".join(texts)
 
 

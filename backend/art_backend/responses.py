@@ -36,6 +36,22 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 SERVED_INCLUDES = frozenset({LOGPROBS_INCLUDE, "reasoning.encrypted_content"})  # reasoning is sent in plain text
 
 
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = "output"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    format: TextFormat | None = None
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # passed on to the chat request, which refuses or names them
 
@@ -50,7 +66,7 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = None
     top_logprobs: int | None = None
     include: list[str] | None = None
-    text: dict[str, Any] | None = None
+    text: TextConfig | None = None
     stream: bool = False
 
     @model_validator(mode="before")
@@ -69,14 +85,14 @@ class ResponsesRequest(BaseModel):
         return names
 
 
-def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
-    form = (text or {}).get("format")
-    if not form or form.get("type") == "text":
+def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
+    form = text.format if text is not None else None
+    if form is None or form.type == "text":
         return None
-    if form.get("type") == "json_schema":
-        return {"type": "json_schema", "json_schema": {key: form[key] for key in ("name", "description", "schema",
-                                                                               "strict") if key in form}}
-    return {"type": form.get("type")}
+    if form.type == "json_schema":
+        return {"type": "json_schema", "json_schema": form.model_dump(by_alias=True, exclude={"type"},
+                                                                      exclude_none=True)}
+    return {"type": form.type}
 
 
 def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
@@ -141,20 +157,21 @@ def response_object(body: ResponsesRequest, response_id: str, output: list[dict[
     """A Response in OpenAI's shape, with the exact tokens (`tokens`) as extension fields."""
     status = "in_progress" if finish_reason is None else "incomplete" if finish_reason == "length" else "completed"
     tool_choice = body.tool_choice if body.tool_choice is not None else "auto"
-    response = {
+    text = body.text.model_dump(by_alias=True, exclude_none=True) if body.text else {"format": {"type": "text"}}
+    return {
         "id": response_id, "object": "response", "created_at": now(), "model": body.model, "status": status,
         "output": output, "instructions": body.instructions, "tools": body.tools or [], "tool_choice": tool_choice,
         "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
         "top_p": body.top_p, "max_output_tokens": body.max_output_tokens, "top_logprobs": body.top_logprobs,
-        "text": body.text or {"format": {"type": "text"}}, "store": False, "error": None,
+        "text": text, "store": False, "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "usage": None if usage is None else {
-            "input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"]},
         **tokens,
     }
-    return response
 
 
 def _tokens(record_id: str | None, prompt_ids: list[int] | None, token_ids: list[int] | None) -> dict[str, Any]:
