@@ -19,7 +19,6 @@ transport's copy of a call recorded under the same token record id.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -27,8 +26,6 @@ import httpx
 
 from art_integrations.capture import CaptureScope, ModelCall, current_capture
 from art_integrations.responses_items import chat_tool, input_messages, output_message
-
-logger = logging.getLogger(__name__)
 
 BACKEND_HEADER = "x-art-backend"  # on every generated answer of an art-backend
 SDK_HEADER = "x-stainless-lang"  # on every request the openai SDK sends
