@@ -2,12 +2,13 @@
 
 This package stays light (no torch): it talks to the backend over HTTP. ART's names are here
 too (`Model`, `TrainableModel`, `Trajectory`, `TrajectoryGroup`, `TrainConfig`,
-`gather_trajectory_groups`, `iterate_dataset`, `retry`), so an ART script runs with
+`gather_trajectory_groups`, `iterate_dataset`, `retry`, and ART 0.5.23's capture API:
+`trajectory`, `trajectory_group`, `current_trajectory`, `no_capture`), so an ART script runs with
 `import art_integrations as art` ([Coming from ART](../art.md) in the docs).
 """
 
 from art_integrations import dev
-from art_integrations.capture import art_capture, current_capture
+from art_integrations.capture import art_capture, current_capture, current_trajectory, no_capture, trajectory
 from art_integrations.gather import (
     GatheredGroups,
     TooManyRolloutErrors,
@@ -47,11 +48,14 @@ __all__ = [
     "TooManyRolloutErrors",
     "art_capture",
     "current_capture",
+    "current_trajectory",
     "dev",
     "gather_trajectories",
     "gather_trajectory_groups",
     "iterate_dataset",
+    "no_capture",
     "retry",
+    "trajectory",
     "trajectory_group",
 ]
 
@@ -66,8 +70,6 @@ _ART_ONLY = {
     "TrainSFTConfig": "only GRPO training is offered",
     "trajectory_group_batches": "iterate_dataset(...) batches scenarios into steps",
     # ART 0.5.23's
-    "current_trajectory": "art_integrations.current_capture() is the capture scope of the running rollout",
-    "no_capture": "model calls outside `async with art_capture()` are not recorded",
     "LocalTrainResult": "model.train() and backend.train() return TrainResult (step, metrics); checkpoints are "
                         "served as `name@step` once it returns",
     "ServerlessTrainResult": "model.train() and backend.train() return TrainResult (step, metrics)",

@@ -29,7 +29,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
@@ -57,14 +57,17 @@ class ModelCall:
     started: float = field(default_factory=time.monotonic)
     api_key: str | None = None
     choice: Choice | None = None  # set directly when the integration saw the tokens itself
+    via_transport: bool = False  # seen where the openai SDK sent it (openai_capture.py)
 
 
 LATE_CALL = ("a model call finished after its art_capture() had exited (a task started inside the capture and "
              "awaited outside it?), so it is not in the trajectory: await every task the rollout starts before "
              "leaving the `with art_capture()` block")
-NO_CALLS = ("art_capture() recorded no model call, so the trajectory is empty. Likely causes: the chat model has no "
-            "ART handler (use ChatART or ARTLLM; with your own ChatOpenAI, pass config={'callbacks': "
-            "[ARTCallbackHandler()]}; with your own LlamaIndex LLM, call art_integrations.llamaindex.instrument()); "
+NO_CALLS = ("art_capture() recorded no model call, so the trajectory is empty. Likely causes: the model was not "
+            "called at an art-backend through the openai SDK (any agent that uses it, of any framework, is recorded "
+            "with its base URL pointed at the backend's /v1; a client that does not use it needs an integration: "
+            "ChatART, ARTLLM, config={'callbacks': [ARTCallbackHandler()]} for your own ChatOpenAI, or "
+            "art_integrations.llamaindex.instrument() for your own LlamaIndex LLM); they ran inside no_capture(); "
             "the calls ran in a task still running when the capture exited (await it inside the capture); or they "
             "ran in a thread that does not carry the capture's context (use asyncio.to_thread, not "
             "run_in_executor or a bare Thread)")
@@ -78,6 +81,7 @@ class CaptureScope:
         # (model, fix) -> how many calls an integration saw in this capture but could not record
         self.unrecorded: Counter[tuple[str, str]] = Counter()
         self._closed = False  # the capture exited: its calls are assembled, a call arriving now is late
+        self._late: set[str | None] = set()  # the record ids of late calls
         self._lock = threading.Lock()  # calls may arrive from executor threads
 
     def add(self, call: ModelCall) -> bool:
@@ -86,7 +90,10 @@ class CaptureScope:
             if not self._closed:
                 self.calls.append(call)
                 return True
-        self.error(LATE_CALL)
+            reported = call.record_id is not None and call.record_id in self._late
+            self._late.add(call.record_id)
+        if not reported:  # a late call that an integration and the transport both saw is one late call
+            self.error(LATE_CALL)
         return False
 
     def close(self) -> None:
@@ -130,6 +137,38 @@ def current_capture() -> CaptureScope | None:
     return _current.get()
 
 
+def current_trajectory(*, require: bool = False) -> Trajectory | None:
+    """ART's `current_trajectory()`: the trajectory the innermost open capture records into
+    (None outside one; with `require=True`, a RuntimeError)."""
+    scope = _current.get()
+    if scope is None and require:
+        raise RuntimeError("No trajectory is being captured here: call this inside `async with art_capture()` "
+                           "(or a rollout run by art.trajectory(...))")
+    return scope.trajectory if scope is not None else None
+
+
+@contextmanager
+def no_capture() -> Iterator[None]:
+    """ART's `no_capture()`: model calls inside are not recorded into the enclosing capture (a
+    judge or helper model on the same backend); a capture opened inside records its own."""
+    token = _current.set(None)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+async def trajectory(coroutine: Coroutine[Any, Any, object]) -> Trajectory:
+    """ART's `art.trajectory(rollout(...))`: runs the coroutine inside `art_capture()` and returns
+    the trajectory its model calls made (its own return value is not used)."""
+    if not isinstance(coroutine, Coroutine):
+        raise TypeError(f"art.trajectory() takes a coroutine not yet started, as `rollout(scenario)` gives, not "
+                        f"{type(coroutine).__name__}")
+    async with art_capture() as captured:
+        await coroutine
+    return captured
+
+
 def record_call(call: ModelCall, scope: CaptureScope | None = None) -> bool:
     """Add `call` to `scope` (default: the capture open here). False when there is none, or it
     has exited (a late call: counted as a capture error)."""
@@ -160,6 +199,14 @@ def _watch_frameworks() -> None:
                 _unwatchable.add(framework)
                 logger.debug("Cannot watch %s for unrecorded calls (%r): a capture that records nothing says "
                              "only the likely causes", framework, error)
+
+
+def _install_transport() -> None:
+    """Capture the openai SDK's requests at its transport from the first capture on (see
+    openai_capture.py; imported here, since it records into this module's scopes)."""
+    from art_integrations.openai_capture import install
+
+    install()
 
 
 # ----- fetching tokens ---------------------------------------------------------------------
@@ -286,8 +333,17 @@ def _history(conversation: list[ModelCall]) -> tuple[History, list[tuple[int, Mo
     return History(messages_and_choices=items, tools=conversation[0].tools), waiting
 
 
+def _once(calls: list[ModelCall]) -> list[ModelCall]:
+    """`calls` without the transport's copies of calls an integration recorded too (ChatART,
+    ARTLLM, the callback handlers): theirs know the agent (LangGraph's namespace) the call ran in."""
+    recorded = {call.record_id for call in calls if not call.via_transport and call.record_id is not None}
+    return [call for call in calls if not (call.via_transport and call.record_id in recorded)]
+
+
 def assemble(scope: CaptureScope) -> None:
     """Turn the recorded calls into the trajectory's main and additional histories."""
+    with scope._lock:
+        scope.calls = _once(scope.calls)
     calls = sorted(scope.calls, key=lambda c: c.started)
     trajectory = scope.trajectory
     trajectory.metrics["model_calls"] = len(calls)
@@ -335,6 +391,7 @@ class art_capture:  # noqa: N801 - used like a function: `with art_capture() as 
         self._token: Token[CaptureScope | None] | None = None
 
     def __enter__(self) -> Trajectory:
+        _install_transport()
         _watch_frameworks()
         self._token = _current.set(self.scope)
         return self.trajectory

@@ -64,11 +64,35 @@ class RolloutRunner(Protocol):
         ...
 
 
-def trajectory_group(rollout: Callable[[], Awaitable[Trajectory]], n: int, **metadata: Any) -> RolloutGroup:
-    """Describe a group: `rollout()` is called `n` times (each call one independent rollout)."""
-    if n < 1:
+def trajectory_group(rollout: Callable[[], Awaitable[Trajectory]] | Iterable[Any], n: int | None = None,
+                     **metadata: Any) -> Any:
+    """Describe a group: `rollout()` is called `n` times (each call one independent rollout).
+
+    Given rollouts instead (ART 0.5.23's `await art.trajectory_group(rollouts, metadata=...,
+    return_exceptions=...)`: trajectories, exceptions, or awaitables of trajectories, such as
+    `art.trajectory(rollout(s))`), it is an awaitable of the finished TrajectoryGroup."""
+    if not callable(rollout):
+        if n is not None:
+            raise TypeError("trajectory_group(rollouts) takes the rollouts themselves, not n: give n only with a "
+                            "rollout function, trajectory_group(rollout, n=8)")
+        return _awaited_group(rollout, **metadata)
+    if n is None or n < 1:
         raise ValueError(f"a group needs at least one rollout, got n={n}")
     return RolloutGroup(rollout, n, metadata)
+
+
+async def _awaited_group(trajectories: Iterable[Any], *, exceptions: Iterable[BaseException | str] = (),
+                         metadata: dict[str, Any] | None = None, metrics: dict[str, float | int | bool] | None = None,
+                         logs: list[str] | None = None, return_exceptions: bool = False) -> TrajectoryGroup:
+    """ART's `trajectory_group`: the awaitables run together; a failed one is raised, or with
+    `return_exceptions=True` kept in the group's `exceptions`."""
+    items = list(trajectories)
+    results = iter(await asyncio.gather(*(item for item in items if inspect.isawaitable(item)),
+                                        return_exceptions=return_exceptions))
+    done = [next(results) if inspect.isawaitable(item) else item for item in items]
+    done = [item if isinstance(item, (Trajectory, BaseException)) else NotATrajectoryError.of(item) for item in done]
+    return TrajectoryGroup(done, exceptions=list(exceptions), metadata=metadata or {}, metrics=metrics or {},
+                           logs=logs or [])
 
 
 class StartedRollouts:

@@ -1,4 +1,4 @@
-"""Per-call overhead of trajectory capture against a plain `ChatOpenAI` call to the same server.
+"""Per-call overhead of trajectory capture against a plain call (ChatOpenAI, openai SDK) to the same server.
 
 A real `python -m art_backend serve --model tiny-random-smollm2` subprocess (its own process, so
 it never shares the GIL with the client being timed) answers every variant; each call is
@@ -10,6 +10,9 @@ it never shares the GIL with the client being timed) answers every variant; each
   E  ChatOpenAI + return_token_ids + config={"callbacks": [ARTCallbackHandler()]}, capture per call
   G  E's handler path as training runs it: `gather_trajectories` of 10 rollouts (one `ainvoke`
      in `async with art_capture()` each), against 10 concurrent plain `ainvoke` calls (G0)
+  H  the plain `openai` SDK (`client.chat.completions.create`), captured at its transport, one
+     `with art_capture():` per call, against the same SDK call uncaptured (H0)
+  I  H with 10 calls per capture, against 10 x H0
 After a warm-up, each round runs A, B, C, E interleaved call by call (order rotated), and each
 call's overhead is paired with the plain call (A) made right beside it, so the drift of a shared,
 noisy machine cancels out; D and G run as blocks beside their baseline block (10 x A; G0). A
@@ -18,7 +21,8 @@ PASS when it is < max(1 ms, 2% of the baseline). Also timed without HTTP (us): t
 on_chat_model_start + on_llm_end on a fake reply, and a capture's enter + close + `assemble()`.
 C and D make no request of their own: ChatART hands the tokens over with the reply. The handler
 only sees what LangChain keeps of a reply (its message id), so its tokens are fetched from the
-backend: E pays one request per capture; under gather (G) one request per group.
+backend: E pays one request per capture; under gather (G) one request per group. The transport
+(H, I) records the reply's token record id likewise: one token fetch per capture.
 
 With --art-python (an interpreter of a separate venv with `openpipe-art`, which brings ~50
 packages we keep out of ours), each round also runs benchmarks/art_langgraph_calls.py there:
@@ -47,11 +51,12 @@ from typing import Any
 from uuid import uuid4
 
 import httpx
+import openai
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.outputs import ChatGeneration, LLMResult
 from langchain_openai import ChatOpenAI
 
-from art_integrations import LocalBackend, Trajectory, gather_trajectories
+from art_integrations import LocalBackend, Trajectory, gather_trajectories, openai_capture
 from art_integrations.capture import art_capture, assemble
 from art_integrations.langchain.callback import ARTCallbackHandler
 from art_integrations.langchain.chat_model import ChatART
@@ -61,7 +66,8 @@ PROMPT = "Say hello."
 WARMUP = 5
 PER_SCOPE_D = 10
 GROUP_G = 10
-BASELINES = {"F": "F0", "G": "G0"}  # variants with a baseline of their own; the others are against A
+# variants with a baseline of their own; the others are against A
+BASELINES = {"F": "F0", "G": "G0", "H": "H0", "I": "H0"}
 MICRO_ITERATIONS = 2000
 ART_SCRIPT = Path(__file__).with_name("art_langgraph_calls.py")
 Variant = Callable[[int], list[float]]  # runs n calls, returns per-call seconds
@@ -109,6 +115,12 @@ def build_variants(base_url: str, model: str) -> tuple[dict[str, Callable[[], ob
     common = {"model": model, "base_url": base_url, "api_key": "unused", "max_tokens": 4, "temperature": 0}
     plain, tokens = ChatOpenAI(**common), ChatOpenAI(**common, extra_body={"return_token_ids": True})
     art, handler = ChatART(**common), ARTCallbackHandler()
+    sdk = openai.OpenAI(base_url=base_url, api_key="unused")
+
+    def sdk_call() -> object:
+        return sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=4,
+                                           temperature=0)
+
     config: Any = {"callbacks": [handler]}
     loop = asyncio.new_event_loop()  # one loop for every async block: the clients' pools stay warm
 
@@ -140,6 +152,12 @@ def build_variants(base_url: str, model: str) -> tuple[dict[str, Callable[[], ob
         f"G handler, gathered group of {GROUP_G}": Block(
             f"G0 {GROUP_G} concurrent plain ainvoke", lambda: loop.run_until_complete(concurrent_plain()),
             lambda: loop.run_until_complete(gathered_group()), GROUP_G),
+        "H openai SDK, capture/call": Block(
+            "H0 plain openai SDK", lambda: [sdk_call() for _ in range(PER_SCOPE_D)],
+            lambda: [checked_capture(sdk_call, 1) for _ in range(PER_SCOPE_D)], PER_SCOPE_D),
+        f"I openai SDK, {PER_SCOPE_D} calls/capture": Block(
+            "H0 plain openai SDK", lambda: [sdk_call() for _ in range(PER_SCOPE_D)],
+            lambda: checked_capture(lambda: [sdk_call() for _ in range(PER_SCOPE_D)], PER_SCOPE_D), PER_SCOPE_D),
     }
     return singles, blocks
 
@@ -217,8 +235,19 @@ def micro_us(base_url: str, model: str) -> dict[str, float]:
         assemble(capture.scope)
         handler_s.append(recorded - entered)
         capture_s.append(time.perf_counter() - recorded + entered - start)
+    # outside any capture, what the transport's patched httpx send adds (an in-memory transport)
+    client = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200)))
+    request = client.build_request("POST", f"{base_url}/chat/completions", json={})
+    original: list[float] = []
+    patched: list[float] = []
+    for i in range(MICRO_ITERATIONS):  # interleaved, order alternated, as the calls above
+        pair = [(original, lambda: openai_capture.ORIGINAL_SEND(client, request)),
+                (patched, lambda: client.send(request))]
+        for out, send in pair[::1 if i % 2 else -1]:
+            out.append(timed(send))
     return {"handler_us": statistics.median(handler_s) * 1e6,
-            "capture_no_fetch_us": statistics.median(capture_s) * 1e6}
+            "capture_no_fetch_us": statistics.median(capture_s) * 1e6,
+            "transport_outside_us": (statistics.median(patched) - statistics.median(original)) * 1e6}
 
 
 def summarize(per_round: dict[str, dict[str, list[float]]]) -> list[dict[str, object]]:
@@ -247,7 +276,8 @@ def print_report(rows: list[dict[str, object]], micro: dict[str, float], art: st
     print(f"Medians of {rounds} round(s) x {calls} paired calls; target: overhead < max(1 ms, 2% of the "
           f"variant's baseline): {limits}.")
     print(f"Without HTTP: handler start+end {micro['handler_us']:.1f} us/call; capture enter+close+assemble "
-          f"{micro['capture_no_fetch_us']:.1f} us/capture.")
+          f"{micro['capture_no_fetch_us']:.1f} us/capture; outside a capture, the patched httpx send "
+          f"{micro['transport_outside_us']:+.2f} us/request.")
     print(art)
     checked = [r for r in rows if r["pass"] is not None]
     failed = [str(r["variant"]).split()[0] for r in checked if not r["pass"]]

@@ -128,6 +128,29 @@ def tiny_server(tiny_engine: TorchEngine) -> Iterator[ServerThread]:
         yield running
 
 
+class NotABackend:
+    """An app without the backend's `X-Art-Backend` mark on its answers: for the client, another
+    OpenAI-compatible server (a judge on a hosted API, a vLLM), whose calls a capture leaves alone."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def unmarked(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [(k, v) for k, v in message["headers"] if k.lower() != b"x-art-backend"]}
+            await send(message)
+
+        await self.app(scope, receive, unmarked)
+
+
+@pytest.fixture(scope="session")
+def other_server(tiny_engine: TorchEngine) -> Iterator[ServerThread]:
+    """The tiny model behind an OpenAI-compatible server that is not an art-backend (`NotABackend`)."""
+    with ServerThread(NotABackend(create_app(tiny_engine))) as running:
+        yield running
+
+
 @pytest.fixture
 def s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
     """A real S3 endpoint on 127.0.0.1 (moto's server mode); the backend, and scripts run from the

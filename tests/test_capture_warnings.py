@@ -45,9 +45,10 @@ def chat_art(tiny_server: ServerThread) -> ChatART:
 
 
 @pytest.fixture(scope="module")
-def chat_openai(tiny_server: ServerThread) -> ChatOpenAI:
-    """The user's own ChatOpenAI, set up for the handler as docs/integrations/langgraph.md says, but with no handler."""
-    return ChatOpenAI(model="tiny-random-smollm2", base_url=f"{tiny_server.base_url}/v1", api_key="unused",
+def chat_openai(other_server: ServerThread) -> ChatOpenAI:
+    """The user's own ChatOpenAI, set up for the handler as docs/integrations/langgraph.md says, but with no handler, at
+    a server that is not an art-backend (at one, the capture records it where the openai SDK sends it)."""
+    return ChatOpenAI(model="tiny-random-smollm2", base_url=f"{other_server.base_url}/v1", api_key="unused",
                       max_tokens=40, timeout=30, extra_body={"return_token_ids": True})
 
 
@@ -102,8 +103,8 @@ async def test_gather_counts_capture_errors_in_its_summary(chat_openai: ChatOpen
 
 
 @pytest.mark.usefixtures("clean_dispatcher")  # no handler of ours installed, as for a user who never made one
-async def test_a_plain_openai_like_without_the_handler_is_named(tiny_server: ServerThread) -> None:
-    llm = OpenAILike(model="tiny-random-smollm2", api_base=f"{tiny_server.base_url}/v1", api_key="unused",
+async def test_a_plain_openai_like_without_the_handler_is_named(other_server: ServerThread) -> None:
+    llm = OpenAILike(model="tiny-random-smollm2", api_base=f"{other_server.base_url}/v1", api_key="unused",
                      is_chat_model=True, is_function_calling_model=True, max_tokens=40, timeout=30,
                      additional_kwargs={"extra_body": {"return_token_ids": True}})
     async with art_capture() as trajectory:
@@ -143,9 +144,10 @@ asyncio.run(main(sys.argv[1]))
 """
 
 
-def test_a_user_who_never_imported_our_integrations_is_told_the_model(tiny_server: ServerThread) -> None:
-    """Only `art_capture` imported, and a plain model of each framework: the capture still names it."""
-    done = subprocess.run([sys.executable, "-c", USER_SCRIPT, f"{tiny_server.base_url}/v1"], capture_output=True,
+def test_a_user_who_never_imported_our_integrations_is_told_the_model(other_server: ServerThread) -> None:
+    """Only `art_capture` imported, and a plain model of each framework at a server that is not an
+    art-backend: the capture still names it."""
+    done = subprocess.run([sys.executable, "-c", USER_SCRIPT, f"{other_server.base_url}/v1"], capture_output=True,
                           text=True, timeout=120, cwd=Path(__file__).parent.parent, check=True)
     langchain, llamaindex = json.loads(done.stdout.splitlines()[-1])
     assert len(langchain) == 1 and "1 call to a LangChain ChatOpenAI with no ARTCallbackHandler" in langchain[0]

@@ -1,5 +1,6 @@
 """The HTTP API through the clients users have: the openai SDK and langchain-openai, on the
-embedded model served by each engine (torch and vLLM)."""
+embedded model served by each engine (torch and vLLM). Chat completions, then the Responses API
+(`test_responses_*`), whose bodies and stream events are checked against the SDK's own types."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -16,6 +18,8 @@ import pytest
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from art_backend.chat_format import ChatFormatter, encode_prompt
 from art_backend.engine.base import Engine
@@ -317,3 +321,116 @@ def test_the_sampling_settings_users_send_reach_the_engine(tiny_server: ServerTh
         frequency_penalty=1.5, presence_penalty=1.0, logit_bias={str(token): -100},
         extra_body={**TOKEN_IDS, "repetition_penalty": 1.3, "top_k": 5, "min_p": 0.05})
     assert banned.choices[0].model_extra["token_ids"][0] != token
+
+
+# ----- the Responses API ----------------------------------------------------------------
+
+RESPONSE_EVENT = TypeAdapter(ResponseStreamEvent)
+WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+# FEW_SHOT as Responses input items
+RESPONSES_FEW_SHOT: list[dict[str, Any]] = [
+    {"role": "user", "content": "What is the weather in London?"},
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": json.dumps({"city": "London"})},
+    {"type": "function_call_output", "call_id": "call_1", "output": "12 C, cloudy"},
+    {"role": "assistant", "content": [{"type": "output_text", "text": "It is 12 C and cloudy in London."}]},
+    {"role": "user", "content": "What is the weather in Paris?"},
+]
+NAMED = {"type": "function", "name": "get_weather"}
+
+
+def create_response(client: openai.OpenAI, **request: Any) -> Response:
+    """`responses.create`, its raw body validated against the SDK's Response type."""
+    raw = client.responses.with_raw_response.create(model=MODEL, **request)
+    assert raw.headers["x-art-backend"] == "1"
+    return Response.model_validate(raw.http_response.json())
+
+
+def streamed_response(client: openai.OpenAI, **request: Any) -> list[Any]:
+    with client.responses.create(model=MODEL, stream=True, **request) as stream:
+        events = list(stream)
+    for number, event in enumerate(events):
+        RESPONSE_EVENT.validate_python(event.model_dump())
+        assert event.sequence_number == number
+    return events
+
+
+def test_responses_text_reply_carries_its_exact_tokens(client: openai.OpenAI, engine: Engine) -> None:
+    response = create_response(client, input="Write one sentence about the sea.", instructions="Be brief.",
+                      max_output_tokens=20, temperature=0, include=["message.output_text.logprobs"])
+    extra = response.model_extra or {}
+    assert response.status in ("completed", "incomplete") and response.output_text
+    assert engine.tokenizer.decode(extra["token_ids"], skip_special_tokens=True) == response.output_text
+    assert "Be brief." in engine.tokenizer.decode(extra["prompt_token_ids"])
+    (message,) = response.output
+    assert len(message.content[0].logprobs) == len(extra["token_ids"]) == response.usage.output_tokens
+    assert response.usage.input_tokens == len(extra["prompt_token_ids"])
+    assert extra["token_record_id"].startswith("chatcmpl-")
+
+
+def test_responses_max_output_tokens_makes_an_incomplete_response(client: openai.OpenAI) -> None:
+    response = create_response(client, input="Count from one to one hundred.", max_output_tokens=3, temperature=0)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 3
+
+
+def test_responses_stream_says_what_the_whole_response_says(client: openai.OpenAI) -> None:
+    request = {"input": "Write one sentence about the sea.", "max_output_tokens": 20, "temperature": 0}
+    events = streamed_response(client, **request)
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    final = events[-1].response
+    assert text == final.output_text == create_response(client, **request).output_text
+    assert final.model_extra["token_ids"] and final.model_extra["prompt_token_ids"]
+
+
+def test_responses_named_tool_choice_returns_a_function_call_and_the_next_turn_continues(client: openai.OpenAI) -> None:
+    first = create_response(client, input=RESPONSES_FEW_SHOT, tools=[WEATHER], tool_choice=NAMED, temperature=0, max_output_tokens=40)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.call_id.startswith("call_")
+    second = create_response(client, input=[*RESPONSES_FEW_SHOT, *[item.model_dump(exclude_none=True) for item in first.output],
+                                   {"type": "function_call_output", "call_id": call.call_id, "output": "20 C, sunny"}],
+                    tools=[WEATHER], temperature=0, max_output_tokens=10)
+    before = first.model_extra["prompt_token_ids"] + first.model_extra["token_ids"]
+    assert second.model_extra["prompt_token_ids"][:len(before)] == before  # one token sequence across turns
+
+
+def test_responses_streamed_function_call_matches_the_whole_one(client: openai.OpenAI) -> None:
+    request = {"input": RESPONSES_FEW_SHOT, "tools": [WEATHER], "tool_choice": NAMED, "temperature": 0, "max_output_tokens": 40}
+    events = streamed_response(client, **request)
+    done = [event.item for event in events if event.type == "response.output_item.done"
+            and event.item.type == "function_call"]
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    whole = [item for item in create_response(client, **request).output if item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in done] == [(c.name, c.arguments) for c in whole]
+    assert arguments == whole[0].arguments
+
+
+@pytest.mark.parametrize(("request_fields", "named"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0] of type 'web_search'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "'input_image'"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "'item_reference'"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+])
+def test_responses_fields_not_served_are_refused_by_name(tiny_server: ServerThread, request_fields: dict[str, Any],
+                                               named: str) -> None:
+    body = {"model": "tiny-random-smollm2", "input": "Hi", **request_fields}
+    response = httpx.post(f"{tiny_server.base_url}/v1/responses", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert named in response.json()["error"]["message"]
+
+
+def test_responses_text_format_json_schema_is_enforced(tiny_server: ServerThread) -> None:
+    client = openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    response = client.responses.create(model="tiny-random-smollm2", input="Is it fine?", max_output_tokens=40,
+                                       text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
+    assert isinstance(json.loads(response.output_text)["ok"], bool)
+    assert response.text.format.name == "answer"
+    malformed = httpx.post(f"{tiny_server.base_url}/v1/responses", timeout=30, json={
+        "model": "tiny-random-smollm2", "input": "x", "text": {"format": "json"}})
+    assert malformed.status_code == 422 and "text.format" in malformed.json()["error"]["message"]

@@ -34,6 +34,10 @@ NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cach
                        "prediction"})
 
 
+class UnsupportedFeatureError(ValueError):
+    """A request asks for something this server does not do (a 400 naming it)."""
+
+
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 

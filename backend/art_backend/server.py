@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP API over an `Engine` (FastAPI).
 
-Routes: GET /health, GET /v1/models, POST /v1/chat/completions. With `return_token_ids` (as
+Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/responses (served
+through the chat path: `responses.py`). Their answers carry the `X-Art-Backend` header, by which
+the client's capture knows a backend's reply from any other server's. With `return_token_ids` (as
 vLLM; on unless turned off) responses carry `prompt_token_ids` and each choice's `token_ids`, so clients can
 train on exactly the tokens the policy saw and produced; a prompt that replays an earlier
 turn keeps that turn's exact ids (`continuation.py`), so multi-turn rollouts stay one sequence.
@@ -45,13 +47,17 @@ from art_backend.training.routes import training_router
 from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.service import BaseModelMismatchError, TrainingRequestError, TrainingService, UnknownModelError
 from art_backend.training.sync import StorageError, SyncRefused
-from art_backend.protocol import ChatCompletionRequest, TokenRecordsRequest, completion_id, error_body, now
+from art_backend.protocol import (
+    ChatCompletionRequest,
+    TokenRecordsRequest,
+    UnsupportedFeatureError,
+    completion_id,
+    error_body,
+    now,
+)
+from art_backend.responses import ResponsesRequest, chat_request, from_completion, stream_events
 
 logger = logging.getLogger(__name__)
-
-
-class UnsupportedFeatureError(ValueError):
-    pass
 
 
 @dataclass
@@ -436,6 +442,10 @@ async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, Any]
         watcher.cancel()
 
 
+# on every generated answer: the client's transport capture records a request only where it finds this
+MARK = {"X-Art-Backend": "1"}
+
+
 def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutdown: bool = False,
                training: TrainingService | None = None, max_request_bytes: int = 64 << 20,
                token_records_bytes: int = 256 << 20, continuations_bytes: int = DEFAULT_BUDGET_BYTES,
@@ -540,8 +550,21 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         prepared = await asyncio.to_thread(service.prepare, body)  # tokenizing stays off the event loop
         if body.stream:  # a stream is aborted when its client leaves (Starlette cancels the generator)
-            return StreamingResponse(service.stream(prepared), media_type="text/event-stream")
-        return await _unless_client_leaves(request, service.complete(prepared))
+            return StreamingResponse(service.stream(prepared), media_type="text/event-stream", headers=MARK)
+        answer = await _unless_client_leaves(request, service.complete(prepared))
+        return answer if isinstance(answer, JSONResponse) else JSONResponse(answer, headers=MARK)
+
+    @app.post("/v1/responses", response_model=None, responses={200: {"content": {
+        "application/json": {}, "text/event-stream": {}}}})
+    async def responses(body: ResponsesRequest, request: Request) -> Any:
+        """OpenAI's Responses API over the chat path: see `responses.py`."""
+        prepared = await asyncio.to_thread(service.prepare, chat_request(body))
+        if body.stream:
+            return StreamingResponse(stream_events(body, service.stream(prepared)), media_type="text/event-stream",
+                                     headers=MARK)
+        answer = await _unless_client_leaves(request, service.complete(prepared))
+        return answer if isinstance(answer, JSONResponse) else JSONResponse(from_completion(body, answer),
+                                                                            headers=MARK)
 
     if training is not None:
         app.include_router(training_router(training))
