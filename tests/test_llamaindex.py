@@ -251,10 +251,13 @@ async def test_handler_on_a_plain_openai_like(tiny_server: ServerThread, clean_d
     assert missing.metrics["capture_errors"] == 1 and "return_token_ids" in missing.logs[0]
 
 
-async def test_the_drop_in_alone_records_only_its_own_calls(tiny_server: ServerThread, clean_dispatcher: None) -> None:
+async def test_the_drop_in_alone_records_only_its_own_calls(tiny_server: ServerThread, other_server: ServerThread,
+                                                            clean_dispatcher: None) -> None:
     art = ARTLLM(model="tiny-random-smollm2", api_base=f"{tiny_server.base_url}/v1", max_tokens=8)
-    other = OpenAILike(model="tiny-random-smollm2", api_base=f"{tiny_server.base_url}/v1", api_key="unused",
-                       is_chat_model=True, max_tokens=8)  # say, a judge: not the policy
+    # say, a judge on another OpenAI-compatible server: not the policy (one on the backend itself
+    # would be recorded where the openai SDK sends it, unless made inside `no_capture()`)
+    other = OpenAILike(model="tiny-random-smollm2", api_base=f"{other_server.base_url}/v1", api_key="unused",
+                       is_chat_model=True, max_tokens=8)
     async with art_capture() as trajectory:
         await other.achat([ChatMessage(role="user", content="judge this")])
         await art.achat([ChatMessage(role="user", content="policy")])

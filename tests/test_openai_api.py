@@ -426,10 +426,13 @@ def test_responses_fields_not_served_are_refused_by_name(tiny_server: ServerThre
 
 def test_responses_text_format_json_schema_is_enforced(tiny_server: ServerThread) -> None:
     client = openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused")
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    # closed and greedy: sampled, the random model could add properties until max_output_tokens cut the JSON
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
     response = client.responses.create(model="tiny-random-smollm2", input="Is it fine?", max_output_tokens=40,
+                                       temperature=0,
                                        text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
-    assert isinstance(json.loads(response.output_text)["ok"], bool)
+    assert response.status == "completed" and isinstance(json.loads(response.output_text)["ok"], bool)
     assert response.text.format.name == "answer"
     malformed = httpx.post(f"{tiny_server.base_url}/v1/responses", timeout=30, json={
         "model": "tiny-random-smollm2", "input": "x", "text": {"format": "json"}})
