@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,8 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from art_integrations.backend import _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARY = re.compile(r"held-out score: base (?P<base>[-\d.]+) -> trained (?P<trained>[-\d.]+) \([-+\d.]+\) "
@@ -48,12 +49,6 @@ class Run:
     @property
     def gain(self) -> float:
         return self.trained - self.base
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until_serving(url: str, server: subprocess.Popen[bytes], log: Path, timeout: float = 900) -> None:
@@ -76,7 +71,7 @@ def run_job(example: str, seed: int, engine: str, job_args: list[str], vllm_pyth
     if engine == "torch":
         job += ["--engine", "torch", "--art-dir", str(art_dir)]
     else:
-        port, log = free_port(), workdir / f"vllm-s{seed}.log"
+        port, log = _free_port(), workdir / f"vllm-s{seed}.log"
         server = subprocess.Popen(
             [str(vllm_python), "-m", "art_backend", "serve", "--engine", "vllm", "--port", str(port),
              "--art-dir", str(art_dir)], cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
