@@ -220,16 +220,20 @@ def _requests(calls: list[ModelCall]) -> dict[tuple[str, str | None], list[Model
     return by_endpoint
 
 
+def exact_choice(call: ModelCall, prompt_token_ids: list[int], token_ids: list[int], logprobs: list[float]) -> Choice:
+    """`call`'s reply with the exact tokens the backend generated it from."""
+    return Choice(message=call.response, finish_reason=call.finish_reason,
+                  logprobs={"content": [{"token": "", "logprob": lp} for lp in logprobs]},
+                  prompt_token_ids=prompt_token_ids, token_ids=token_ids)
+
+
 def _apply_record(scope: CaptureScope, call: ModelCall, records: dict[str, Any]) -> None:
     record = records.get(call.record_id or "")
     if record is None:
         scope.error(f"the backend has no tokens for call {call.record_id} (evicted, or another server); "
                     "the turn is kept as a message and not trained on")
         return
-    call.choice = Choice(
-        message=call.response, finish_reason=call.finish_reason,
-        logprobs={"content": [{"token": "", "logprob": lp} for lp in record["logprobs"]]},
-        prompt_token_ids=record["prompt_token_ids"], token_ids=record["token_ids"])
+    call.choice = exact_choice(call, record["prompt_token_ids"], record["token_ids"], record["logprobs"])
 
 
 def _missing_ids(scope: CaptureScope) -> None:
@@ -335,8 +339,18 @@ def _history(conversation: list[ModelCall]) -> tuple[History, list[tuple[int, Mo
 
 def _once(calls: list[ModelCall]) -> list[ModelCall]:
     """`calls` without the transport's copies of calls an integration recorded too (ChatART,
-    ARTLLM, the callback handlers): theirs know the agent (LangGraph's namespace) the call ran in."""
-    recorded = {call.record_id for call in calls if not call.via_transport and call.record_id is not None}
+    ARTLLM, the callback handlers): theirs know the agent (LangGraph's namespace) the call ran in.
+    A copy's exact tokens pass to the integration's call where it has none (a callback handler
+    sees no tokens), so that call needs no token fetch."""
+    copies = {call.record_id: call for call in calls if call.via_transport and call.record_id is not None}
+    recorded = set()
+    for call in calls:
+        copy = None if call.via_transport else copies.get(call.record_id)  # type: ignore[arg-type]
+        if copy is not None:
+            recorded.add(call.record_id)
+            if call.choice is None and copy.choice is not None:
+                call.choice = copy.choice.model_copy(update={"message": call.response,
+                                                             "finish_reason": call.finish_reason})
     return [call for call in calls if not (call.via_transport and call.record_id in recorded)]
 
 

@@ -10,10 +10,11 @@ server, or a tool's own API, passes through untouched. A whole reply is read whe
 it; a streamed one is read as the SDK consumes it, and recorded when its last event has passed.
 
 A call is recorded as the chat conversation it was (a Responses call's items as chat messages)
-with the reply's token record id; its exact tokens and logprobs come with the capture's one
-token fetch on exit (once per group under `gather_trajectory_groups`). A call that ChatART,
-ARTLLM or a callback handler records as well is kept once: `capture.assemble` drops the
-transport's copy of a call recorded under the same token record id.
+with its exact tokens and logprobs, read from the reply itself: the request goes out with the
+`X-Art-Token-Logprobs` header, at which a backend puts each token's logprob beside its id (any
+other server ignores it), so no second request is made for them. A call that ChatART, ARTLLM or
+a callback handler records as well is kept once: `capture.assemble` drops the transport's copy of
+a call recorded under the same token record id, and gives its tokens to the handler's call.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from typing import Any
 
 import httpx
 
-from art_integrations.capture import CaptureScope, ModelCall, current_capture
+from art_integrations.capture import CaptureScope, ModelCall, current_capture, exact_choice
 from art_integrations.responses_items import chat_tool, input_messages, output_message
 
 BACKEND_HEADER = "x-art-backend"  # on every generated answer of an art-backend
 SDK_HEADER = "x-stainless-lang"  # on every request the openai SDK sends
+TOKEN_LOGPROBS_HEADER = "x-art-token-logprobs"  # asks a backend for each token's logprob beside its id
 CHAT, RESPONSES = "/chat/completions", "/responses"
 
 # httpx's own sends, called by the patched ones
@@ -55,6 +57,8 @@ def _kind(request: httpx.Request) -> str | None:
 def _send(self: httpx.Client, request: httpx.Request, **kwargs: Any) -> httpx.Response:
     scope = current_capture()
     kind = _kind(request) if scope is not None else None
+    if kind is not None:
+        request.headers[TOKEN_LOGPROBS_HEADER] = "1"
     response = ORIGINAL_SEND(self, request, **kwargs)
     if kind is not None and scope is not None:
         _observe(scope, kind, request, response, streamed=bool(kwargs.get("stream")))
@@ -64,6 +68,8 @@ def _send(self: httpx.Client, request: httpx.Request, **kwargs: Any) -> httpx.Re
 async def _async_send(self: httpx.AsyncClient, request: httpx.Request, **kwargs: Any) -> httpx.Response:
     scope = current_capture()
     kind = _kind(request) if scope is not None else None
+    if kind is not None:
+        request.headers[TOKEN_LOGPROBS_HEADER] = "1"
     response = await ORIGINAL_ASYNC_SEND(self, request, **kwargs)
     if kind is not None and scope is not None:
         _observe(scope, kind, request, response, streamed=bool(kwargs.get("stream")))
@@ -174,17 +180,32 @@ def _call(kind: str, request: httpx.Request, body: bytes, event_stream: bool) ->
         message = output_message(answer["output"])
         finish = "length" if answer.get("status") == "incomplete" else "tool_calls" if message.get("tool_calls") \
             else "stop"
-        return ModelCall(endpoint=endpoint, api_key=api_key, record_id=answer.get("token_record_id"),
+        call = ModelCall(endpoint=endpoint, api_key=api_key, record_id=answer.get("token_record_id"),
                          messages=input_messages(sent["input"], sent.get("instructions")), response=message,
                          finish_reason=finish, tools=[chat_tool(t) for t in sent.get("tools") or []] or None,
                          via_transport=True)
-    choice = _streamed_choice(_events(body)) if event_stream else json.loads(body)["choices"][0]
+        return _with_tokens(call, answer)
+    if event_stream:
+        choice = _streamed_choice(_events(body))
+    else:
+        completion = json.loads(body)
+        choice = {"prompt_token_ids": completion.get("prompt_token_ids"), **completion["choices"][0]}
     if choice is None:
         return None
     message = {key: value for key, value in choice["message"].items() if key != "id" and value is not None}
-    return ModelCall(endpoint=endpoint, api_key=api_key, record_id=choice["message"].get("id"),
+    call = ModelCall(endpoint=endpoint, api_key=api_key, record_id=choice["message"].get("id"),
                      messages=sent["messages"], response=message, finish_reason=choice.get("finish_reason"),
                      tools=sent.get("tools"), via_transport=True)
+    return _with_tokens(call, choice)
+
+
+def _with_tokens(call: ModelCall, reply: dict[str, Any]) -> ModelCall:
+    """`call` with its exact tokens where `reply` (a choice or a Response) carries them all; else it
+    waits for the capture's token fetch (a backend from before the token-logprobs header)."""
+    tokens = [reply.get(key) for key in ("prompt_token_ids", "token_ids", "token_logprobs")]
+    if all(part is not None for part in tokens):
+        call.choice = exact_choice(call, *tokens)  # type: ignore[arg-type]
+    return call
 
 
 def _streamed_choice(chunks: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -192,10 +213,14 @@ def _streamed_choice(chunks: list[dict[str, Any]]) -> dict[str, Any] | None:
     message: dict[str, Any] = {"role": "assistant", "content": ""}
     calls: dict[int, dict[str, Any]] = {}
     finish = None
+    tokens: dict[str, Any] = {"prompt_token_ids": None, "token_ids": [], "token_logprobs": []}
     for chunk in chunks:
+        tokens["prompt_token_ids"] = chunk.get("prompt_token_ids", tokens["prompt_token_ids"])
         for choice in chunk.get("choices") or []:
             if choice.get("index", 0) != 0:
                 continue
+            tokens["token_ids"] += choice.get("token_ids") or []
+            tokens["token_logprobs"] += choice.get("token_logprobs") or []
             delta = choice.get("delta") or {}
             message["content"] += delta.get("content") or ""
             if delta.get("id"):
@@ -212,4 +237,6 @@ def _streamed_choice(chunks: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     if calls:
         message["tool_calls"] = [calls[index] for index in sorted(calls)]
-    return {"message": message, "finish_reason": finish}
+    if len(tokens["token_logprobs"]) != len(tokens["token_ids"]):
+        tokens["token_logprobs"] = None  # a backend that sent no logprobs: the capture fetches them
+    return {"message": message, "finish_reason": finish, **tokens}

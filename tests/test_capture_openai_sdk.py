@@ -15,7 +15,7 @@ import pytest
 from langchain_openai import ChatOpenAI
 
 import art_integrations as art
-from art_integrations import Trajectory, art_capture
+from art_integrations import Trajectory, art_capture, capture
 from art_integrations.langchain import ARTCallbackHandler, ChatART
 from art_integrations.llamaindex import ARTLLM
 from art_integrations.openai_capture import BACKEND_HEADER
@@ -40,7 +40,15 @@ def exact(trajectory: Trajectory) -> list[tuple[int, int, int]]:
     return turns
 
 
-async def test_every_sdk_call_is_recorded_with_its_exact_tokens(url: str) -> None:
+@pytest.fixture
+def no_token_fetch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transport reads each call's tokens and logprobs from its reply: a second request fails the test."""
+    def fetch(*args: Any, **kwargs: Any) -> None:
+        pytest.fail(f"a token fetch was made: {args}")
+    monkeypatch.setattr(capture._http, "post", fetch)
+
+
+async def test_every_sdk_call_is_recorded_with_its_exact_tokens(url: str, no_token_fetch: None) -> None:
     sync, aio = openai.OpenAI(base_url=url, api_key="unused"), openai.AsyncOpenAI(base_url=url, api_key="unused")
     async with art_capture() as trajectory:
         whole = sync.chat.completions.create(model=MODEL, messages=HI, max_tokens=5)
@@ -59,6 +67,14 @@ async def test_every_sdk_call_is_recorded_with_its_exact_tokens(url: str) -> Non
     assert replies[1].token_ids == [token for chunk in chunks for token in chunk.get("token_ids") or []]
     assert replies[2].token_ids == response.model_extra["token_ids"]
     assert replies[3].token_ids == last.model_extra["token_ids"]
+    ids = [whole.choices[0].message.id, streamed[-1].choices[0].delta.id, response.model_extra["token_record_id"],
+           last.model_extra["token_record_id"]]
+    with httpx.Client() as client:  # what the backend keeps for each reply is what the capture read from it
+        records = client.post(f"{url}/art/token_records", json={"ids": ids}).json()["records"]
+    for reply, record_id in zip(replies, ids):
+        assert (reply.prompt_token_ids, reply.token_ids) == (records[record_id]["prompt_token_ids"],
+                                                             records[record_id]["token_ids"])
+        assert reply.token_logprobs == pytest.approx(records[record_id]["logprobs"])
     assert trajectory.additional_histories[1].messages()[0] == {"role": "system", "content": "Be brief."}
 
 
@@ -78,7 +94,7 @@ async def test_a_responses_conversation_is_one_history(url: str) -> None:
     assert trajectory.tools == [{"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}]
 
 
-async def test_a_call_an_integration_records_is_kept_once(url: str) -> None:
+async def test_a_call_an_integration_records_is_kept_once(url: str, no_token_fetch: None) -> None:
     chat_art = ChatART(model=MODEL, base_url=url, max_tokens=5)
     handled = ChatOpenAI(model=MODEL, base_url=url, api_key="unused", max_tokens=5)
     llm = ARTLLM(model=MODEL, api_base=url, max_tokens=5)

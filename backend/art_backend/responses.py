@@ -6,7 +6,8 @@ function tools -> chat tools, `max_output_tokens` -> `max_tokens`, `text.format`
 and its completion (or stream of chunks) translated back into a Response object (or OpenAI's
 stream events). As on chat completions, the response carries the exact `prompt_token_ids` and
 `token_ids`, and `token_record_id`: the id under which `/v1/art/token_records` keeps them with
-their logprobs. Nothing is stored: `previous_response_id`, `conversation` and the other fields
+their logprobs (sent along as `token_logprobs` when the request has the `X-Art-Token-Logprobs`
+header, as the client's transport capture sends it). Nothing is stored: `previous_response_id`, `conversation` and the other fields
 that need stored state or hosted tools are refused by name.
 """
 
@@ -174,10 +175,12 @@ def response_object(body: ResponsesRequest, response_id: str, output: list[dict[
     }
 
 
-def _tokens(record_id: str | None, prompt_ids: list[int] | None, token_ids: list[int] | None) -> dict[str, Any]:
+def _tokens(record_id: str | None, prompt_ids: list[int] | None, token_ids: list[int] | None,
+            token_logprobs: list[float] | None) -> dict[str, Any]:
     if record_id is None:
         return {}
-    return {"prompt_token_ids": prompt_ids, "token_ids": token_ids, "token_record_id": record_id}
+    tokens = {"prompt_token_ids": prompt_ids, "token_ids": token_ids, "token_record_id": record_id}
+    return tokens if token_logprobs is None else {**tokens, "token_logprobs": token_logprobs}
 
 
 def from_completion(body: ResponsesRequest, completion: dict[str, Any]) -> dict[str, Any]:
@@ -187,7 +190,8 @@ def from_completion(body: ResponsesRequest, completion: dict[str, Any]) -> dict[
     logprobs = (choice.get("logprobs") or {}).get("content") or []
     response = response_object(body, "resp_" + completion["id"].removeprefix("chatcmpl-"), _output(message, logprobs),
                                choice["finish_reason"], completion["usage"],
-                               _tokens(message.get("id"), choice.get("prompt_token_ids"), choice.get("token_ids")))
+                               _tokens(message.get("id"), choice.get("prompt_token_ids"), choice.get("token_ids"),
+                                       choice.get("token_logprobs")))
     if choice.get("tool_call_parse_error"):
         response["tool_call_parse_error"] = choice["tool_call_parse_error"]
     return response
@@ -217,6 +221,7 @@ class _StreamState:
         self.calls: list[dict[str, Any]] = []
         self.prompt_ids: list[int] | None = None
         self.token_ids: list[int] = []
+        self.token_logprobs: list[float] | None = None  # only when the request asked for them
         self.record_id: str | None = None
         self.finish_reason: str | None = None
         self.usage: dict[str, int] | None = None
@@ -229,7 +234,7 @@ async def stream_events(body: ResponsesRequest, chunks: AsyncIterator[str]) -> A
     response_id = _item_id("resp")
 
     def snapshot() -> dict[str, Any]:
-        tokens = _tokens(state.record_id, state.prompt_ids, state.token_ids)
+        tokens = _tokens(state.record_id, state.prompt_ids, state.token_ids, state.token_logprobs)
         return response_object(body, response_id, state.output, state.finish_reason, state.usage, tokens)
 
     yield events("response.created", response=snapshot())
@@ -274,6 +279,9 @@ def _choice_events(events: _Events, state: _StreamState, choice: dict[str, Any])
     delta = choice.get("delta") or {}
     state.record_id = delta.get("id", state.record_id)
     state.token_ids += choice.get("token_ids") or []
+    if "token_logprobs" in choice:
+        state.token_logprobs = state.token_logprobs if state.token_logprobs is not None else []
+        state.token_logprobs += choice["token_logprobs"]
     state.reasoning += delta.get("reasoning_content") or ""
     state.calls += [{"id": c["id"], "function": c["function"]} for c in delta.get("tool_calls") or []]
     state.finish_reason = choice.get("finish_reason") or state.finish_reason

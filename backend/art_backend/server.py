@@ -66,6 +66,7 @@ class _Prepared:
     generation: GenerationRequest
     prompt: Prompt
     tools: list[dict[str, Any]] | None  # the tools whose calls the reply is read for (None: not read for calls)
+    token_logprobs: bool = False  # each token's logprob beside its id (TOKEN_LOGPROBS_HEADER)
 
     def reply_stream(self, service: ChatService) -> ReplyStream | None:
         """What reads this request's streamed reply, where it has markup to read (calls, reasoning)."""
@@ -138,7 +139,7 @@ class ChatService:
     def _decode_one(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
 
-    def prepare(self, body: ChatCompletionRequest) -> _Prepared:
+    def prepare(self, body: ChatCompletionRequest, token_logprobs: bool = False) -> _Prepared:
         if body.model not in self.engine.served_models():  # before streaming starts, so it can be a 404
             raise ModelNotServedError.unknown(body.model, self.engine.served_models())
         refused = body.not_implemented()
@@ -191,7 +192,7 @@ class ChatService:
         )
         served = None if body.model == self.engine.base_model_name else body.model
         generation = GenerationRequest(prompt_ids, params, body.n, served)
-        return _Prepared(body, generation, prompt, tools if parse_tools else None)
+        return _Prepared(body, generation, prompt, tools if parse_tools else None, token_logprobs)
 
     def _grammar(self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
                  tool_choice: str | dict[str, Any] | None, prompt: Prompt) -> str | None:
@@ -262,6 +263,8 @@ class ChatService:
                 entry["token_ids"] = choice.token_ids
                 entry["prompt_token_ids"] = generation.prompt_ids  # a choice appended on its own keeps its prompt
                 message["id"] = f"{response_id}-{choice.index}"
+                if prepared.token_logprobs:
+                    entry["token_logprobs"] = [reportable(t.logprob) for t in choice.logprobs]
                 self.records.add(message["id"], body.model, generation.prompt_ids, choice)
             out_choices.append(entry)
         completion_tokens = sum(len(c.token_ids) for c in choices)
@@ -295,7 +298,7 @@ class ChatService:
             async for delta in self.engine.generate(generation):
                 completion_tokens += len(delta.token_ids)
                 choice_id = f"{base['id']}-{delta.index}" if body.return_token_ids else None
-                yield chunk([self._stream_choice(body, delta, filters[delta.index], choice_id)])
+                yield chunk([self._stream_choice(prepared, delta, filters[delta.index], choice_id)])
                 choice = choices[delta.index]
                 choice.token_ids += delta.token_ids
                 choice.logprobs += delta.logprobs
@@ -315,8 +318,9 @@ class ChatService:
                                    "total_tokens": prompt_tokens + completion_tokens})
         yield "data: [DONE]\n\n"
 
-    def _stream_choice(self, body: ChatCompletionRequest, delta: SequenceDelta,
+    def _stream_choice(self, prepared: _Prepared, delta: SequenceDelta,
                        stream_filter: ReplyStream | None, choice_id: str | None) -> dict[str, Any]:
+        body = prepared.body
         reasoning, content = stream_filter.feed(delta.text) if stream_filter else ("", delta.text)
         message: dict[str, Any] = {"content": content} if content else {}
         if reasoning:
@@ -331,6 +335,8 @@ class ChatService:
         }
         if body.return_token_ids:
             choice["token_ids"] = delta.token_ids
+            if prepared.token_logprobs:
+                choice["token_logprobs"] = [reportable(t.logprob) for t in delta.logprobs]
         return choice
 
     def _stream_finish(self, delta: SequenceDelta, stream_filter: ReplyStream | None,
@@ -444,6 +450,10 @@ async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, Any]
 
 # on every generated answer: the client's transport capture records a request only where it finds this
 MARK = {"X-Art-Backend": "1"}
+# Sent by the client's transport capture (art_integrations/openai_capture.py): with `return_token_ids`,
+# each choice (or chunk, or Response) then carries `token_logprobs` beside `token_ids`, so a capture has
+# a call's exact tokens and logprobs with its reply, not from a second request to /v1/art/token_records.
+TOKEN_LOGPROBS_HEADER = "X-Art-Token-Logprobs"
 
 
 def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutdown: bool = False,
@@ -548,7 +558,8 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
     @app.post("/v1/chat/completions", response_model=None, responses={200: {"content": {
         "application/json": {}, "text/event-stream": {}}}})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        prepared = await asyncio.to_thread(service.prepare, body)  # tokenizing stays off the event loop
+        # tokenizing stays off the event loop
+        prepared = await asyncio.to_thread(service.prepare, body, TOKEN_LOGPROBS_HEADER in request.headers)
         if body.stream:  # a stream is aborted when its client leaves (Starlette cancels the generator)
             return StreamingResponse(service.stream(prepared), media_type="text/event-stream", headers=MARK)
         answer = await _unless_client_leaves(request, service.complete(prepared))
@@ -558,7 +569,7 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
         "application/json": {}, "text/event-stream": {}}}})
     async def responses(body: ResponsesRequest, request: Request) -> Any:
         """OpenAI's Responses API over the chat path: see `responses.py`."""
-        prepared = await asyncio.to_thread(service.prepare, chat_request(body))
+        prepared = await asyncio.to_thread(service.prepare, chat_request(body), TOKEN_LOGPROBS_HEADER in request.headers)
         if body.stream:
             return StreamingResponse(stream_events(body, service.stream(prepared)), media_type="text/event-stream",
                                      headers=MARK)
