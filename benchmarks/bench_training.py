@@ -53,6 +53,7 @@ from art_backend.training.tokenize import TokenizeStats, TrainSequence
 from art_backend.training.trainer import LoraTrainer
 from art_integrations.training import LoraConfig, TrainConfig
 from art_integrations.trajectory import TrajectoryGroup
+from process_memory import reset_peak, resident_mib
 
 MICRO_BATCH_TOKENS = 2048
 
@@ -124,9 +125,15 @@ def trl_note() -> str:
 
 
 def timed(fn: Callable[[], dict[str, float]]) -> tuple[float, dict[str, float]]:
+    """The step's seconds and metrics, with `peak_mib` (the process's peak resident memory during it
+    over before it) and `kept_mib` (resident memory after it over before it)."""
+    before, _ = resident_mib()
+    reset_peak()
     started = time.perf_counter()
     metrics = fn()
-    return time.perf_counter() - started, metrics
+    seconds = time.perf_counter() - started
+    after, peak = resident_mib()
+    return seconds, {**metrics, "peak_mib": peak - before, "kept_mib": after - before}
 
 
 def main() -> None:
@@ -141,6 +148,7 @@ def main() -> None:
     model_dir = embedded_model_dir(Path(BackendSettings().cache_dir))
     print(f"model {model_dir}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     ours_model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    weight_mib = sum(p.numel() * p.element_size() for p in ours_model.parameters()) / 2**20
     unpacked_model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     plain_model = AutoModelForCausalLM.from_pretrained(model_dir).eval()  # separate peft wrapping
     lora, config = LoraConfig(), TrainConfig(learning_rate=1e-5, micro_batch_tokens=MICRO_BATCH_TOKENS)
@@ -163,6 +171,8 @@ def main() -> None:
                 "plain transformers+peft": lambda s=sequences: plain.step(s),
             }
             times: dict[str, list[float]] = {name: [] for name in systems}
+            peaks: dict[str, list[float]] = {name: [] for name in systems}
+            kept: dict[str, list[float]] = {name: [] for name in systems}
             for name, fn in systems.items():
                 seconds, _ = timed(fn)
                 print(f"[{label}] {name}: warm-up {seconds:.1f} s", flush=True)
@@ -170,8 +180,11 @@ def main() -> None:
                 for name, fn in systems.items():
                     seconds, metrics = timed(fn)
                     times[name].append(seconds)
+                    peaks[name].append(metrics["peak_mib"])
+                    kept[name].append(metrics["kept_mib"])
                     print(f"[{label}] {name}: step {r + 1}/{args.repeats} {seconds:.2f} s "
-                          f"(loss {metrics['loss']:+.4f}, grad_norm {metrics['grad_norm']:.3f})", flush=True)
+                          f"(loss {metrics['loss']:+.4f}, grad_norm {metrics['grad_norm']:.3f}, "
+                          f"peak +{metrics['peak_mib']:.0f} MiB, kept {metrics['kept_mib']:+.0f} MiB)", flush=True)
             assistant = sum(sum(s.assistant_mask) for s in sequences)
             total = sum(len(s) for s in sequences)
             plain_median = statistics.median(times["plain transformers+peft"])
@@ -180,21 +193,28 @@ def main() -> None:
                 rows.append({"batch": label, "system": name, "seconds_median": median, "seconds": samples,
                              "assistant_tokens_per_s": assistant / median, "total_tokens_per_s": total / median,
                              "trajectories_per_s": trajectories / median if sequences is real else None,
-                             "ratio_vs_plain": plain_median / median})
+                             "ratio_vs_plain": plain_median / median,
+                             "peak_mib_median": statistics.median(peaks[name]),
+                             "kept_mib_median": statistics.median(kept[name])})
 
     header = f"{'batch':<13} | {'system':<24} | {'s/step (median)':>15} | {'trajectories/s':>14} | " \
-             f"{'assistant tok/s':>15} | {'total tok/s':>11} | {'ratio vs plain loop':>19}"
+             f"{'assistant tok/s':>15} | {'total tok/s':>11} | {'ratio vs plain loop':>19} | " \
+             f"{'peak MiB':>8} | {'kept MiB':>8}"
     print("\n" + header + "\n" + "-" * len(header))
     for row in rows:
         per_trajectory = f"{row['trajectories_per_s']:.2f}" if row["trajectories_per_s"] is not None else "-"
         print(f"{row['batch']:<13} | {row['system']:<24} | {row['seconds_median']:>15.2f} | {per_trajectory:>14} | "
               f"{row['assistant_tokens_per_s']:>15.1f} | {row['total_tokens_per_s']:>11.1f} | "
-              f"{row['ratio_vs_plain']:>18.2f}x")
-    print(f"({note}; ratio = plain loop s/step / system s/step, above 1 is faster; total tokens counted unpacked)")
+              f"{row['ratio_vs_plain']:>18.2f}x | {row['peak_mib_median']:>+8.0f} | {row['kept_mib_median']:>+8.0f}")
+    print(f"({note}; ratio = plain loop s/step / system s/step, above 1 is faster; total tokens counted unpacked; "
+          "peak: the process's peak resident memory during a step over before it, kept: after it over before it, "
+          f"medians; the model's weights are {weight_mib:.0f} MiB)")
     ours = [r for r in rows if r["system"] == "ours (LoraTrainer)"]
     print("Summary: LoraTrainer throughput vs the plain transformers+peft loop: " + ", ".join(
         f"{r['batch']} {r['ratio_vs_plain']:.2f}x ({r['assistant_tokens_per_s']:.0f} assistant tok/s)"
-        for r in ours) + f", medians of {args.repeats} steps; target on the main job step: >= 2.5x.")
+        for r in ours) + f", medians of {args.repeats} steps; target on the main job step: >= 2.5x. Its memory: "
+        + ", ".join(f"{r['batch']} peak +{r['peak_mib_median']:.0f} MiB, kept {r['kept_mib_median']:+.0f} MiB"
+                    for r in ours) + ".")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "trl": note, "repeats": args.repeats}, indent=2))
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import resource
 import statistics
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -225,9 +227,17 @@ async def train(example: Example, args: argparse.Namespace) -> None:
         plot_history(await model.history(), directory / "learning_curve.png", example.title)
     print(f"\nheld-out score: base {base:.3f} -> trained {trained:.3f} ({trained - base:+.3f}) "
           f"in {(time.perf_counter() - started) / 60:.1f} min")
+    where = "the backend runs elsewhere" if args.backend_url else "the agent, its capture and the backend it started"
+    print(f"peak memory: {peak_resident_gb():.2f} GB resident (this process: {where})")
     print(f"checkpoints: {directory / 'checkpoints'}")
     print(f"metrics:     {directory / 'history.jsonl'}")
     print(f"plot:        {directory / 'learning_curve.png'}")
+
+
+def peak_resident_gb() -> float:
+    """This process's peak resident memory so far (getrusage: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def train_main(example: Example, description: str | None = None) -> None:

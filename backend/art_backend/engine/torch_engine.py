@@ -39,6 +39,7 @@ from art_backend.engine.base import (
     end_of_turn_ids,
     is_base_model,
 )
+from art_backend.engine.host_memory import return_freed_memory_to_os
 from art_backend.engine.llama import LORA_TARGETS, LeanLlama, LoraWeights
 from art_backend.engine.sampling import Penalties, RowSampling, sample
 from art_backend.grammar import Constrainer, GrammarError
@@ -113,6 +114,7 @@ class TorchEngine:
                  dtype: str = "float32", cpu_kernels: bool = True) -> None:
         """`dtype`: the serving forward's weights and matmuls (see `LeanLlama`); on GPU always
         the model's bfloat16. `cpu_kernels`: decode with the fused kernels of `cpu_kernels.cpp`."""
+        return_freed_memory_to_os()  # else the process keeps its peak after each step (host_memory.py)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.base_model_name = served_model_name or Path(model_dir).name

@@ -24,6 +24,7 @@ from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from art_backend.engine.host_memory import return_freed_memory_to_os
 from art_backend.kill_points import kill_point
 from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.loss import LossConfig, LossTerms, policy_loss
@@ -86,6 +87,7 @@ class LoraTrainer:
                  packing: bool = True) -> None:
         """`packing`: run each step's sequences as prefix trees (packing.py), which takes a model
         whose attention applies a 4D mask as given (transformers' SDPA and eager attention do)."""
+        return_freed_memory_to_os()  # else the process keeps each step's peak (host_memory.py)
         self.base = model
         self.first_adapter = first_adapter
         self.packing = packing
