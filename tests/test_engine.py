@@ -6,6 +6,8 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ import torch.utils.cpp_extension
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from art_backend.engine.base import GenerationRequest, ModelNotServedError, SamplingParams
-from art_backend.engine.cpu_kernels import load_cpu_kernels
+from art_backend.engine.cpu_kernels import build_directory, load_cpu_kernels
 from art_backend.engine.exact_groups import as_exact_groups
 from art_backend.engine.llama import LORA_TARGETS, PROJECTIONS, LeanLlama, LoraWeights
 from art_backend.engine.sampling import RowSampling, sample
@@ -194,6 +196,21 @@ def test_a_failed_kernel_build_falls_back_to_eager_ops_with_a_warning(
     cache = lean.new_cache()
     hidden = lean.forward(torch.tensor([[1], [2]]), torch.tensor([[0], [0]]), torch.arange(2), cache, torch.tensor([1, 1]))
     assert hidden.shape == (2, 1, lean.config.hidden_size)
+
+
+def test_a_kernel_build_killed_while_locked_does_not_hang_the_next_start(tmp_path: Path) -> None:
+    """torch's builder waits forever on a `lock` file; one left by a killed build is removed, with a warning."""
+    _kernels_or_skip()
+    name = f"art_cpu_kernels_{torch.backends.cpu.get_cpu_capability().lower()}"
+    copy = tmp_path / name
+    shutil.copytree(build_directory(name), copy)  # the cached build (mtimes kept: loaded, not rebuilt)
+    (copy / "lock").touch()
+    loaded = subprocess.run(
+        [sys.executable, "-c", "from art_backend.engine.cpu_kernels import load_cpu_kernels\n"
+                               "assert load_cpu_kernels() is not None"],
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}, capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr
+    assert "was killed while holding it" in loaded.stderr and not (copy / "lock").exists()
 
 
 def test_bf16_serving_stays_close_to_fp32_and_leaves_the_trainer_model_alone(embedded_model_dir: Path) -> None:

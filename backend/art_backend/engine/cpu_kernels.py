@@ -5,13 +5,22 @@ extension for PyTorch, which had similar ones, stopped at torch 2.8). torch's ow
 builder compiles them (~20 s, with the system's C++ compiler and the `ninja` package) into
 TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions); later starts load the cached build
 in well under a second.
+
+torch's builder locks a build with a `lock` file that it waits on forever, and a process killed
+while holding it (a SIGKILL during the build or its check) leaves it behind: every later start
+would hang without a word. So each load first takes an OS lock of its own (released whenever its
+holder dies); holding it, a `lock` file left in the build directory is known to be stale and is
+removed, with a warning.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
+import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +38,18 @@ _VECTOR_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq
                  "AVX2": ["-mavx2", "-mfma"]}
 
 
+def build_directory(name: str) -> Path:
+    """Where torch builds the extension `name`: torch's own default for a CPU build of torch
+    (TORCH_EXTENSIONS_DIR, else its cache folder per Python version), named here and handed to it,
+    so the stale-lock check and the build look at one folder."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        root = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
+    return Path(root) / name
+
+
 @functools.cache
 def load_cpu_kernels() -> Any | None:
     """`torch.ops.art_cpu_kernels`, or None, with a warning saying why, where they cannot be built."""
@@ -36,10 +57,20 @@ def load_cpu_kernels() -> Any | None:
 
     capability = torch.backends.cpu.get_cpu_capability()
     flags = ["-O3", "-fopenmp", "-fno-trapping-math", *_VECTOR_FLAGS.get(capability, [])]
+    name = f"art_cpu_kernels_{capability.lower()}"
     started = time.perf_counter()
     try:
-        load(name=f"art_cpu_kernels_{capability.lower()}", sources=[str(_SOURCE)], extra_cflags=flags,
-             is_python_module=False)
+        build = build_directory(name)
+        build.mkdir(parents=True, exist_ok=True)
+        with open(build.parent / f"{name}.art-lock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            stale = build / "lock"
+            if stale.exists():
+                logger.warning("Removing %s: a build of the CPU kernels was killed while holding it, and torch "
+                               "would wait for it forever", stale)
+                stale.unlink()
+            load(name=name, sources=[str(_SOURCE)], extra_cflags=flags, is_python_module=False,
+                 build_directory=str(build))
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as error:
         logger.warning(
             "The fused CPU decode kernels could not be built, so decoding uses plain torch ops and float32 weights (~2x slower for the embedded model): %s. "
