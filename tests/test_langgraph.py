@@ -225,11 +225,19 @@ async def test_handler_on_a_plain_chat_openai(tiny_server: ServerThread) -> None
     assert missing.metrics["capture_errors"] == 1 and "return_token_ids" in missing.logs[0]
 
 
+@pytest.mark.parametrize("transport_sees_calls", [True, False])
 async def test_handler_tokens_are_fetched_once_per_gathered_group(tiny_server: ServerThread,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under gather, handler-path captures leave their token fetch to the group: rewards read the
-    replies as messages, and one request per group then puts every reply's exact tokens in place."""
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    transport_sees_calls: bool) -> None:
+    """The handler sees only a reply's id. Where the openai SDK's transport capture saw the call too,
+    the handler's call takes the tokens it read from the reply: no fetch at all. Where it did not (a
+    client off the openai SDK), under gather the captures leave their token fetch to the group: rewards
+    read the replies as messages, and one request per group then puts every reply's exact tokens in place."""
     import art_integrations.capture as capture
+    import art_integrations.openai_capture as openai_capture
+
+    if not transport_sees_calls:
+        monkeypatch.setattr(openai_capture, "_kind", lambda request: None)
 
     llm = ChatOpenAI(model="tiny-random-smollm2", base_url=f"{tiny_server.base_url}/v1", api_key="unused",
                      max_tokens=40, extra_body={"return_token_ids": True})
@@ -247,13 +255,15 @@ async def test_handler_tokens_are_fetched_once_per_gathered_group(tiny_server: S
         async with art_capture() as trajectory:
             await react_agent(llm).ainvoke({"messages": [("user", "weather in Oslo?")]},
                                            config={"callbacks": [handler]})
-        assert not trajectory.choices() and trajectory.messages()[-1]["role"] == "assistant"  # tokens come later
+        assert trajectory.messages()[-1]["role"] == "assistant"
+        assert len(trajectory.choices()) == (2 if transport_sees_calls else 0)  # else their tokens come later
         trajectory.reward = float(len(trajectory.messages()))
         return trajectory
 
     groups = await gather_trajectory_groups([trajectory_group(rollout, n=4), trajectory_group(rollout, n=3)],
                                             progress=False)
-    assert sorted(len(ids) for ids in fetches) == [6, 8]  # one request per group, two calls per rollout
+    # one request per group, two calls per rollout; none where the transport read the tokens
+    assert sorted(len(ids) for ids in fetches) == ([] if transport_sees_calls else [6, 8])
     for group in groups:
         for trajectory in group.trajectories:
             assert len(trajectory.choices()) == 2 and not trajectory.metrics.get("capture_errors")

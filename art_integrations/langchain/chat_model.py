@@ -27,6 +27,7 @@ from pydantic import Field, SecretStr
 from art_integrations.backend import Backend
 from art_integrations.langchain.callback import ARTCallbackHandler
 from art_integrations.model import TrainableModel
+from art_integrations.openai_capture import RECORDED_BY_HEADER
 
 
 class ChatART(ChatOpenAI):
@@ -43,6 +44,8 @@ class ChatART(ChatOpenAI):
     def __init__(self, **kwargs: Any) -> None:
         kwargs["extra_body"] = {**(kwargs.get("extra_body") or {}), "return_token_ids": True}
         kwargs.setdefault("logprobs", True)  # the sampling policy's logprobs, which training needs
+        # recorded here, with its tokens: the openai SDK's transport capture leaves these requests alone
+        kwargs["default_headers"] = {**(kwargs.get("default_headers") or {}), RECORDED_BY_HEADER: "ChatART"}
         super().__init__(**kwargs)
         key = self.openai_api_key  # a callable key is the OpenAI client's to call, per request
         api_key = key.get_secret_value() if isinstance(key, SecretStr) else None
