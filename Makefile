@@ -95,7 +95,7 @@ bench-lora-serving: setup
 	$(BIN)/python benchmarks/bench_lora_serving.py $(ARGS)
 
 bench-training: setup
-	$(BIN)/python benchmarks/bench_training.py
+	$(BIN)/python benchmarks/bench_training.py $(ARGS)
 
 # ARGS="--model embedded" or ARGS="--art-python /path/to/art-venv/bin/python" (a venv with openpipe-art)
 bench-capture: setup
