@@ -7,8 +7,8 @@ and its completion (or stream of chunks) translated back into a Response object 
 stream events). As on chat completions, the response carries the exact `prompt_token_ids` and
 `token_ids`, and `token_record_id`: the id under which `/v1/art/token_records` keeps them with
 their logprobs (sent along as `token_logprobs` when the request has the `X-Art-Token-Logprobs`
-header, as the client's transport capture sends it). Nothing is stored: `previous_response_id`, `conversation` and the other fields
-that need stored state or hosted tools are refused by name.
+header, as the client's transport capture sends it). Nothing is stored: `previous_response_id`,
+`conversation` and the other fields that need stored state or hosted tools are refused by name.
 """
 
 from __future__ import annotations
@@ -280,7 +280,8 @@ def _choice_events(events: _Events, state: _StreamState, choice: dict[str, Any])
     state.record_id = delta.get("id", state.record_id)
     state.token_ids += choice.get("token_ids") or []
     if "token_logprobs" in choice:
-        state.token_logprobs = state.token_logprobs if state.token_logprobs is not None else []
+        if state.token_logprobs is None:
+            state.token_logprobs = []
         state.token_logprobs += choice["token_logprobs"]
     state.reasoning += delta.get("reasoning_content") or ""
     state.calls += [{"id": c["id"], "function": c["function"]} for c in delta.get("tool_calls") or []]

@@ -56,6 +56,7 @@ from art_backend.protocol import (
     now,
 )
 from art_backend.responses import ResponsesRequest, chat_request, from_completion, stream_events
+from art_integrations.openai_capture import BACKEND_HEADER, TOKEN_LOGPROBS_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class TokenRecords:
 
     def add(self, choice_id: str, model: str, prompt_ids: list[int], choice: _Choice) -> None:
         record = (model, array("i", prompt_ids), array("i", choice.token_ids),
-                  array("d", [reportable(t.logprob) for t in choice.logprobs]))
+                  array("d", reportable_logprobs(choice.logprobs)))
         self._records[choice_id] = record
         self._bytes += self._size(record)
         while self._bytes > self.budget_bytes and self._records:
@@ -120,6 +121,11 @@ def reportable(logprob: float) -> float:
     """A logprob JSON can carry: a token with no chance (-inf, among top logprobs past a top-k cut,
     say) is reported as -9999.0, as OpenAI and vLLM do."""
     return max(logprob, -9999.0)
+
+
+def reportable_logprobs(entries: list[TokenLogprob]) -> list[float]:
+    """Each sampled token's logprob, as JSON can carry it."""
+    return [reportable(entry.logprob) for entry in entries]
 
 
 class ChatService:
@@ -264,7 +270,7 @@ class ChatService:
                 entry["prompt_token_ids"] = generation.prompt_ids  # a choice appended on its own keeps its prompt
                 message["id"] = f"{response_id}-{choice.index}"
                 if prepared.token_logprobs:
-                    entry["token_logprobs"] = [reportable(t.logprob) for t in choice.logprobs]
+                    entry["token_logprobs"] = reportable_logprobs(choice.logprobs)
                 self.records.add(message["id"], body.model, generation.prompt_ids, choice)
             out_choices.append(entry)
         completion_tokens = sum(len(c.token_ids) for c in choices)
@@ -336,7 +342,7 @@ class ChatService:
         if body.return_token_ids:
             choice["token_ids"] = delta.token_ids
             if prepared.token_logprobs:
-                choice["token_logprobs"] = [reportable(t.logprob) for t in delta.logprobs]
+                choice["token_logprobs"] = reportable_logprobs(delta.logprobs)
         return choice
 
     def _stream_finish(self, delta: SequenceDelta, stream_filter: ReplyStream | None,
@@ -449,11 +455,10 @@ async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, Any]
 
 
 # on every generated answer: the client's transport capture records a request only where it finds this
-MARK = {"X-Art-Backend": "1"}
-# Sent by the client's transport capture (art_integrations/openai_capture.py): with `return_token_ids`,
-# each choice (or chunk, or Response) then carries `token_logprobs` beside `token_ids`, so a capture has
-# a call's exact tokens and logprobs with its reply, not from a second request to /v1/art/token_records.
-TOKEN_LOGPROBS_HEADER = "X-Art-Token-Logprobs"
+MARK = {BACKEND_HEADER: "1"}
+# TOKEN_LOGPROBS_HEADER, sent by the client's transport capture: with `return_token_ids`, each choice (or
+# chunk, or Response) then carries `token_logprobs` beside `token_ids`, so a capture has a call's exact
+# tokens and logprobs with its reply, not from a second request to /v1/art/token_records.
 
 
 def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutdown: bool = False,
