@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +25,9 @@ EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 TINY_MODEL_NAME = "tiny-random-smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TINY_HIDDEN_SIZE = 128
+# SmolLM2-135M-Instruct's own special tokens (its tokenizer_config.json and config.json)
+_EMBEDDED_SPECIAL_TOKENS = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
+                            "unk_token": "<|endoftext|>"}
 
 
 class ModelNotFoundError(RuntimeError):
@@ -73,8 +77,11 @@ def embedded_model_dir(cache_dir: Path) -> Path:
 
         gguf = embedded_gguf_path()
         logger.info("Converting %s to safetensors under %s (once; about 30 s)", gguf.name, out)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = _as_released(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name))
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        for config in (model.config, model.generation_config):
+            config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+            config.pad_token_id = tokenizer.pad_token_id
         # save_pretrained refuses a model still flagged as GGUF-quantized; the weights are
         # already dequantized to fp32, so the flag is stale.
         model.config.quantization_config = None
@@ -85,6 +92,24 @@ def embedded_model_dir(cache_dir: Path) -> Path:
         tokenizer.save_pretrained(out)
 
     return _publish(convert, cache_dir / "models" / EMBEDDED_MODEL_NAME)
+
+
+def _as_released(tokenizer: Any) -> Any:
+    """The GGUF's tokenizer as SmolLM2 releases it: a byte-level BPE with a byte-level decoder and
+    <|im_end|> ending a turn. transformers' GGUF conversion has differed by release: 5.17 (the GPU
+    machine's) made <|im_start|> the end-of-sequence token and gave the decoder a sentencepiece
+    ByteFallback step, which llguidance reads as a vocabulary of raw strings, so vLLM's grammars
+    rejected the newline token ("\u010a") after `<tool_call>` and every forced tool call failed."""
+    from tokenizers import decoders
+
+    if type(tokenizer.backend_tokenizer.pre_tokenizer).__name__ != "ByteLevel":
+        raise ModelNotFoundError(f"{_GGUF_FILE}'s tokenizer did not convert to a byte-level BPE "
+                                 f"({tokenizer.backend_tokenizer.pre_tokenizer!r}): this transformers "
+                                 "release reads it differently; install another transformers version")
+    tokenizer.backend_tokenizer.decoder = decoders.ByteLevel()
+    for name, token in _EMBEDDED_SPECIAL_TOKENS.items():
+        setattr(tokenizer, name, token)
+    return tokenizer
 
 
 def tiny_model_dir(cache_dir: Path) -> Path:
