@@ -154,3 +154,21 @@ def test_trainer_on_a_gpu_without_unsloth_says_it_trains_with_peft(
     with caplog.at_level(logging.INFO, logger="art_backend.training.trainer"):
         assert trainer.load_trainable_model(tmp_path, 512) == ("peft", tmp_path)
     assert "Unsloth is not installed" in caplog.text
+
+
+def test_trainer_falls_back_to_peft_saying_why_when_unsloth_cannot_load_the_model(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Unsloth 2026.10.9 on the H100: it imports, then its loader refuses without bitsandbytes
+    (tmp_path / "unsloth").mkdir()
+    (tmp_path / "unsloth" / "__init__.py").write_text(
+        "class FastLanguageModel:\n"
+        "    @staticmethod\n"
+        "    def from_pretrained(**kwargs):\n"
+        "        raise ImportError('Unsloth: Please install bitsandbytes via `pip install bitsandbytes`')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    trainer = _trainer_on_a_gpu(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="art_backend.training.trainer"):
+        assert trainer.load_trainable_model(tmp_path / "model", 512) == ("peft", tmp_path / "model")
+    assert f"Unsloth imports but cannot load {tmp_path / 'model'} (ImportError('Unsloth: Please install " \
+           "bitsandbytes" in caplog.text
+    assert "training with peft instead" in caplog.text

@@ -57,7 +57,11 @@ def load_trainable_model(model_dir: Path, max_seq_length: int) -> tuple[PreTrain
             except Exception as error:  # noqa: BLE001 - Unsloth refuses some GPUs and versions at import
                 logger.warning("Unsloth is installed but does not import (%r); training with peft instead", error)
             else:
-                return load_unsloth_model(model_dir, max_seq_length)
+                try:
+                    return load_unsloth_model(model_dir, max_seq_length)
+                except Exception as error:  # noqa: BLE001 - e.g. Unsloth 2026.10 loads nothing without bitsandbytes
+                    logger.warning("Unsloth imports but cannot load %s (%r); training with peft instead",
+                                   model_dir, error)
     return load_peft_model(model_dir)
 
 
