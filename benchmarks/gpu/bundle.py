@@ -55,9 +55,10 @@ GPU_REQUIREMENTS = ["vllm==0.24.0", "unsloth==2026.10.9", "unsloth-zoo==2026.10.
 # machine's own module, or none.
 LEFT_OUT = {
     # kernels a dense bf16 model on one GPU does not import: vLLM takes FlashAttention's (in its own
-    # wheel) and Triton's, Unsloth its Triton kernels; bitsandbytes is 4-bit loading (not used)
-    "kernels": r"flashinfer-.*|tokenspeed-.*|humming-kernels|tilelang|quack-kernels|deep-gemm|deep-ep|xformers|"
-               r"bitsandbytes",
+    # wheel) and Triton's (its V2 model runner's sampler imports FlashInfer, so check.sh runs the V1
+    # runner), Unsloth its Triton kernels. bitsandbytes travels (43 MiB): Unsloth's loader refuses
+    # to load even a 16-bit model without it (seen on the H100, 2026-11-27).
+    "kernels": r"flashinfer-.*|tokenspeed-.*|humming-kernels|tilelang|quack-kernels|deep-gemm|deep-ep|xformers",
     # CUDA's libraries and compiler: the machine has the CUDA toolkit and what torch 2.11+cu130 pins
     "cuda": r"nvidia-.*|cuda-.*",
     # on the machine already, at versions not read there: vLLM imports numba (n-gram speculation
@@ -178,11 +179,13 @@ def device_packages() -> dict[str, str]:
 
 def requirements() -> list[str]:
     """The GPU path's requirements: GPU_REQUIREMENTS, the backend's and the client's dependencies
-    (the local packages themselves are installed from the carried repo) and the engine tests'."""
+    (the local packages themselves are installed from the carried repo), the engine tests' and the
+    main job's (its agent is a LangGraph graph: the client's `langgraph` extra)."""
     backend = tomllib.loads((REPO / "backend/pyproject.toml").read_text())["project"]
     client = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     local = {canonical(backend["name"]), canonical(client["name"])}
-    reqs = backend["dependencies"] + client["dependencies"] + client["optional-dependencies"]["engine-tests"]
+    reqs = backend["dependencies"] + client["dependencies"] + [
+        requirement for extra in ("engine-tests", "langgraph") for requirement in client["optional-dependencies"][extra]]
     return GPU_REQUIREMENTS + [r for r in reqs if canonical(re.split(r"[<>=!~\[; ]", r)[0]) not in local]
 
 

@@ -28,6 +28,9 @@ ROWS=$KIT_DIR/rows.tsv
 export PYTHONPATH="$PWD:$PWD/backend${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # nothing outside the GPU machine answers: no hub look-ups, no usage reports
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+# vLLM 0.24's V2 model runner imports FlashInfer for its sampler whether or not it uses it, and the
+# bundle leaves FlashInfer out (bundle.py, LEFT_OUT): the V1 runner serves without it (H100, 2026-11-27)
+export VLLM_USE_V2_MODEL_RUNNER=${VLLM_USE_V2_MODEL_RUNNER:-0}
 HOST_PY=${KIT_PYTHON:-python3}
 row() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$ROWS"; }
 
@@ -82,12 +85,17 @@ stage_serving() {
   "$PY" benchmarks/gpu/report.py json-rows serving "$KIT_DIR/serving.json" >>"$ROWS"
 }
 
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || echo CPU)
+save_results() {  # after every stage, so that a call cut off by its device time still brings back what ran
+  "$PY" benchmarks/gpu/report.py table "$ROWS" "$CARD" >"$RESULTS"
+  [ -n "${OUT:-}" ] && tar czf "$OUT/gpu-kit-logs.tar.gz" -C "$KIT_DIR" $(cd "$KIT_DIR" && ls ./*.log ./*.json \
+    rows.tsv venv-freeze.txt 2>/dev/null)
+}
 for stage in ${KIT_STAGES//,/ }; do
   "stage_$stage"
+  save_results
 done
-"$PY" benchmarks/gpu/report.py table "$ROWS" "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null \
-  || echo CPU)" | tee "$RESULTS"
+save_results
+cat "$RESULTS"
 echo "results: $RESULTS"
-[ -n "${OUT:-}" ] && tar czf "$OUT/gpu-kit-logs.tar.gz" -C "$KIT_DIR" $(cd "$KIT_DIR" && ls ./*.log ./*.json rows.tsv \
-  venv-freeze.txt 2>/dev/null)
 ! grep -qP '\texit status\t[^0]' "$ROWS"
