@@ -219,7 +219,6 @@ class LocalBackend(Backend):
     def _start_in_process(self, port: int, model: str | None, engine: str | None, art_dir: Path) -> None:
         try:
             import uvicorn
-
             from art_backend.app import build_app
             from art_backend.config import BackendSettings
         except ImportError as error:
@@ -263,6 +262,12 @@ class LocalBackend(Backend):
             time.sleep(0.2)
         self.stop()
         raise BackendError(f"The local backend did not start within {timeout:.0f} s.")
+
+    @property
+    def pid(self) -> int | None:
+        """The server process's id when it runs in a process of its own (`in_process=False`) and has
+        started, else None: for watching its memory or CPU from outside."""
+        return self._process.pid if self._process is not None else None
 
     def stop(self) -> None:
         """Stop the server (what `close()` does besides closing this client's connections)."""

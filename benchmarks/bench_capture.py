@@ -52,6 +52,8 @@ from uuid import uuid4
 
 import httpx
 import openai
+from art_backend.config import BackendSettings
+from art_backend.model_store import resolve_model_dir
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.outputs import ChatGeneration, LLMResult
 from langchain_openai import ChatOpenAI
@@ -74,7 +76,7 @@ Variant = Callable[[int], list[float]]  # runs n calls, returns per-call seconds
 
 
 @contextmanager
-def backend_server(model: str | None) -> Iterator[tuple[str, str]]:
+def backend_server(model: str) -> Iterator[tuple[str, str]]:
     """The backend as a child process (its own GIL, as in real use); yields its /v1 URL and
     the served model name."""
     log = tempfile.NamedTemporaryFile(prefix="bench-capture-", suffix=".log", delete=False)
@@ -297,7 +299,9 @@ def main() -> None:
     args = parser.parse_args()
     art = (f"ART: art.langgraph from {args.art_python} (F: its overhead vs F0, measured in the same process)"
            if args.art_python else "ART: not measured (pass --art-python, a venv with openpipe-art)")
-    with backend_server(None if args.model == "embedded" else args.model) as (base_url, served):
+    # a backend given no model starts on the first model registered: name the embedded one's directory
+    model = str(resolve_model_dir(None, BackendSettings().cache_dir)) if args.model == "embedded" else args.model
+    with backend_server(model) as (base_url, served):
         print(f"Server {base_url} ({served}); {args.rounds} rounds x {args.calls} calls", flush=True)
         art_calls = (lambda n: run_art_script(args.art_python, base_url, served, n)) if args.art_python else None
         singles, blocks = build_variants(base_url, served)

@@ -13,7 +13,8 @@ the backend they are compared with. Each repeat runs the three side by side (bac
 then padded batch, then one per-request generation; the idle server uses no CPU meanwhile), so
 a shared machine's drift hits all three alike; printed are the medians of `--repeats` rates and
 the medians of the per-repeat ratios. Targets at the highest concurrency: backend >= 10x
-per-request and >= 2x padded batch.
+per-request and >= 2x padded batch. Beside each rate: the server process's peak resident memory
+over that concurrency's rounds (its peak reset first) and its resident memory after them, in MiB.
 
 Run from the repository root:
     PYTHONPATH=backend:. ART_BACKEND_CACHE_DIR=/tmp/artcache python benchmarks/bench_serving.py \
@@ -38,6 +39,7 @@ import torch
 from art_backend.config import BackendSettings
 from art_backend.model_store import resolve_model_dir
 from openai import AsyncOpenAI
+from process_memory import reset_peak, resident_mib
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
@@ -103,7 +105,8 @@ def bench_side_by_side(model: str | None, model_dir: Path, levels: list[int], ne
     """Per concurrency and repeat: a backend round, a padded batch, one per-request generation."""
     log = tempfile.NamedTemporaryFile(prefix="bench-serving-", suffix=".log", delete=False)  # noqa: SIM115 - the log outlives this run
     os.environ["ART_BACKEND_DTYPE"] = dtype  # read by the child's settings
-    backend = LocalBackend(in_process=False, model=model, art_dir=tempfile.mkdtemp(), log_file=log.name)
+    backend = LocalBackend(in_process=False, model=model or str(model_dir), art_dir=tempfile.mkdtemp(),
+                           log_file=log.name)
     print(f"Server on {backend.base_url} ({dtype}), log {log.name}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     if tokenizer.pad_token is None:
@@ -120,6 +123,7 @@ def bench_side_by_side(model: str | None, model_dir: Path, levels: list[int], ne
             for n in levels:
                 messages, prompts = chat_messages(n), render_prompts(tokenizer, n)
                 rates: dict[str, list[float]] = {"backend": [], "padded": [], "per_request": []}
+                reset_peak(backend.pid)
                 for r in range(repeats):
                     rates["backend"].append(n * new_tokens / timed(
                         runner.run, concurrent_round(client, served, messages, new_tokens)))
@@ -129,7 +133,8 @@ def bench_side_by_side(model: str | None, model_dir: Path, levels: list[int], ne
                         hf_generate, hf_model, tokenizer, [prompts[r % n]], new_tokens))
                     print(f"  {dtype} N={n:<3} repeat {r + 1}: " + ", ".join(
                         f"{name} {values[-1]:.1f}" for name, values in rates.items()) + " tok/s", flush=True)
-                rows.append(build_row(dtype, n, rates))
+                after, peak = resident_mib(backend.pid)
+                rows.append({**build_row(dtype, n, rates), "server_peak_mib": peak, "server_after_mib": after})
             runner.run(client.close())
     finally:
         backend.stop()
@@ -157,10 +162,11 @@ def print_aligned(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
 
 def print_table(rows: list[dict[str, Any]], new_tokens: int, repeats: int) -> None:
     header = ("dtype", "concurrency", "backend tok/s", "generate per-request tok/s", "generate padded-batch tok/s",
-              "backend / per-request", "backend / padded")
+              "backend / per-request", "backend / padded", "server peak MiB", "server after MiB")
     print_aligned(header, [
         (row["dtype"], f"{row['concurrency']}", f"{row['backend_tok_s']:.1f}", f"{row['per_request_tok_s']:.1f}",
-         f"{row['padded_tok_s']:.1f}", f"{row['over_per_request']:.2f}x", f"{row['over_padded']:.2f}x")
+         f"{row['padded_tok_s']:.1f}", f"{row['over_per_request']:.2f}x", f"{row['over_padded']:.2f}x",
+         f"{row['server_peak_mib']:,.0f}", f"{row['server_after_mib']:,.0f}")
         for row in rows])
     print(f"Medians of {repeats} repeat(s) (ratios: medians of each repeat's ratio); {new_tokens} new tokens per "
           "request; aggregate generated tokens/s. Each row's baselines run transformers in the backend's dtype.")

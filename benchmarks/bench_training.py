@@ -125,15 +125,16 @@ def trl_note() -> str:
 
 
 def timed(fn: Callable[[], dict[str, float]]) -> tuple[float, dict[str, float]]:
-    """The step's seconds and metrics, with `peak_mib` (the process's peak resident memory during it
-    over before it) and `kept_mib` (resident memory after it over before it)."""
+    """The step's seconds and metrics, with `before_mib` (the process's resident memory before it),
+    `peak_mib` (its peak during the step over that) and `kept_mib` (resident memory after over before)."""
     before, _ = resident_mib()
     reset_peak()
     started = time.perf_counter()
     metrics = fn()
     seconds = time.perf_counter() - started
     after, peak = resident_mib()
-    return seconds, {**metrics, "peak_mib": peak - before, "kept_mib": after - before}
+    return seconds, {**metrics, "before_mib": before, "peak_mib": peak - before,
+                     "kept_mib": after - before}
 
 
 def main() -> None:

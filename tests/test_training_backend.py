@@ -149,11 +149,13 @@ async def test_missing_token_ids_get_a_clear_error(tmp_path: Path) -> None:
 async def test_backend_in_a_child_process_starts_and_stops(tmp_path: Path) -> None:
     backend = LocalBackend(in_process=False, model=TINY, art_dir=tmp_path)
     process = backend._process
+    assert process is not None and backend.pid == process.pid  # what benchmarks watch the memory of
+    assert Path(f"/proc/{backend.pid}/cmdline").read_bytes().split(b"\0")[1:4] == [b"-m", b"art_backend", b"serve"]
     model = TrainableModel(name="child", project="p")
     await model.register(backend)
     assert await model.get_step() == 0
     await backend.close()
-    assert process is not None and process.returncode is not None
+    assert process.returncode is not None and backend.pid is None
 
 
 async def test_remote_backend_with_an_api_key(tiny_engine, tmp_path: Path) -> None:
