@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import random
 import resource
 import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -51,6 +54,7 @@ class Policy:
     temperature: float = 1.0
     max_tokens: int = 64
     trainable: bool = True
+    seed: int | None = None  # sent with every request: the same seed and prompt sample the same tokens
 
     def langchain(self, **kwargs: Any) -> Any:
         """A LangChain chat model: `ChatART` on our backend, plain `ChatOpenAI` elsewhere."""
@@ -60,10 +64,12 @@ class Policy:
 
         chat_model = ChatART if self.trainable else ChatOpenAI
         return chat_model(base_url=self.base_url, model=self.model, api_key=self.api_key,
-                          temperature=self.temperature, max_tokens=self.max_tokens, **kwargs)
+                          temperature=self.temperature, max_tokens=self.max_tokens, seed=self.seed, **kwargs)
 
     def llamaindex(self, **kwargs: Any) -> Any:
         """A LlamaIndex function-calling LLM: `ARTLLM` on our backend, `OpenAILike` elsewhere."""
+        if self.seed is not None:  # LlamaIndex's OpenAI LLMs have no seed field; this is where it goes
+            kwargs["additional_kwargs"] = {**kwargs.get("additional_kwargs", {}), "seed": self.seed}
         if self.trainable:
             from art_integrations.llamaindex import ARTLLM
 
@@ -124,6 +130,19 @@ def open_backend(args: argparse.Namespace) -> Backend:
 async def score_scenarios(example: Example, policy: Policy, scenarios: Sequence[Scenario]) -> list[Trajectory]:
     """One rollout per scenario, all at once (the backend batches them)."""
     return list(await asyncio.gather(*(example.rollout(policy, s) for s in scenarios)))
+
+
+def rollout_seed(run_seed: int, step: int, scenario: int, rollout: int) -> int:
+    """The sampling seed of one training rollout, from the run's seed and where the rollout stands:
+    a run repeats token for token, and no two rollouts of a group draw alike."""
+    return random.Random(f"{run_seed}/{step}/{scenario}/{rollout}").getrandbits(31)
+
+
+def seeded_rollouts(example: Example, policy: Policy, scenario: Scenario, seeds: Callable[[int], int],
+                    ) -> Callable[[], Awaitable[Trajectory]]:
+    """What `trajectory_group` calls once per rollout: the n-th call samples with seeds(n)."""
+    count = itertools.count()
+    return lambda: example.rollout(replace(policy, seed=seeds(next(count))), scenario)
 
 
 def mean_metric(trajectories: Sequence[Trajectory], metric: str) -> float:
@@ -212,8 +231,9 @@ async def train(example: Example, args: argparse.Namespace) -> None:
         for step in range(await model.get_step(), args.steps):
             batch = scenarios[step * args.scenarios_per_step:(step + 1) * args.scenarios_per_step]
             groups = await gather_trajectory_groups(
-                [trajectory_group(lambda s=s: example.rollout(policy, s), n=args.rollouts, scenario=s.id)
-                 for s in batch],
+                [trajectory_group(seeded_rollouts(example, policy, s, partial(rollout_seed, args.seed, step, i)),
+                                  n=args.rollouts, scenario=s.id)
+                 for i, s in enumerate(batch)],
                 max_exceptions=0.1, after_each=after_each, progress=False)
             called = time.perf_counter()
             result = await model.train(groups, TrainConfig(learning_rate=args.learning_rate,

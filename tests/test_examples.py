@@ -1,8 +1,11 @@
-"""The main job runs one tiny step end to end, resumes, and its evaluation prints a table."""
+"""The main job runs one tiny step end to end, resumes, and its evaluation prints a table; a seed
+repeats a run."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import json
 
 import pytest
 
@@ -10,6 +13,7 @@ from art_backend.engine.torch_engine import TorchEngine
 from art_backend.server import create_app
 from art_backend.training.service import TrainingService
 from examples.city_facts.task import Scenario, score
+from examples.runner import Policy, rollout_seed
 from tests.conftest import ServerThread, run_example
 
 
@@ -47,3 +51,27 @@ def test_city_facts_reward_credits_the_fact_in_plain_words_only() -> None:
     # dropping the markup along with the fact earns nothing over the lookup itself
     assert score(oslo, call, "You can use the get_local_time function.")["reward"] == pytest.approx(0.4)
     assert score(oslo, [("get_weather", {"city": "Rome"})], "")["reward"] == 0.0
+
+
+def test_a_seed_repeats_the_run_token_for_token(tmp_path: Path) -> None:
+    # every training rollout sends its own seed (run, step, scenario, rollout); unseeded, two such runs
+    # gave step rewards 0.031, 0.081 and 0.062, 0.031
+    def history(run: str) -> list[tuple[str, int, float]]:
+        run_example("examples.city_facts.train", "--model", "tiny-random-smollm2", "--steps", "2",
+                    "--scenarios-per-step", "2", "--rollouts", "4", "--held-out", "2", "--art-dir", str(tmp_path / run))
+        lines = (tmp_path / run / "city-facts" / "models" / "city-agent-s0" / "history.jsonl").read_text().splitlines()
+        return [(r["split"], r["step"], r["reward/mean"]) for r in map(json.loads, lines)]
+
+    first = history("first")
+    assert [(split, step) for split, step, _ in first] == [("val", 0), ("train", 1), ("train", 2), ("val", 2)]
+    assert history("again") == first
+
+    seeds = {rollout_seed(0, step, scenario, rollout)
+             for step in range(8) for scenario in range(3) for rollout in range(4)}
+    assert len(seeds) == 8 * 3 * 4  # no two rollouts of a run draw alike
+    assert rollout_seed(0, 1, 2, 3) == rollout_seed(0, 1, 2, 3) != rollout_seed(1, 1, 2, 3)
+    # the LlamaIndex example's LLM sends it too (LlamaIndex's OpenAI LLMs take it in additional_kwargs)
+    policy = Policy("http://127.0.0.1:1/v1", "m", seed=7)
+    assert policy.langchain().seed == 7
+    assert policy.llamaindex(additional_kwargs={"user": "u"}, context_window=2048).additional_kwargs == {
+        "user": "u", "seed": 7}
