@@ -211,7 +211,15 @@ def step_line(example: Example, step: int, steps: int, metrics: dict[str, Any], 
     dropped = f" ({metrics['groups/dropped']} dropped)" if metrics.get("groups/dropped") else ""
     return (f"step {step}/{steps}: reward mean {number('reward/mean')} std {number('reward/std')}{parts}, "
             f"{number('seconds', 0)} s train on {metrics.get('sequences', 0)} sequences, "
-            f"groups trained {metrics.get('groups/trained', 0)}/{groups}{dropped}")
+            f"groups trained {metrics.get('groups/trained', 0)}/{groups}{dropped}, "
+            f"policy entropy {number('entropy', 2)}")
+
+
+def no_signal_note(step: int, quiet_steps: int) -> str:
+    return (f"No group has had signal for {quiet_steps} steps (steps {step - quiet_steps + 1}-{step}): every rollout "
+            "of each group scored the same, so GRPO had nothing to prefer and the adapter has not changed. Make "
+            "rollouts of a scenario score differently: sample more of them or more varied ones (--rollouts, "
+            "--temperature), or give partial credit in the reward.")
 
 
 async def train(example: Example, args: argparse.Namespace) -> None:
@@ -228,6 +236,7 @@ async def train(example: Example, args: argparse.Namespace) -> None:
         policy = Policy(f"{backend.base_url}/v1", model.inference_name, temperature=args.temperature,
                         max_tokens=args.max_tokens)
         after_each = ruler_after_each(backend, args) if args.ruler else None
+        quiet_steps = 0  # steps in a row in which no group had signal
         for step in range(await model.get_step(), args.steps):
             batch = scenarios[step * args.scenarios_per_step:(step + 1) * args.scenarios_per_step]
             groups = await gather_trajectory_groups(
@@ -240,6 +249,9 @@ async def train(example: Example, args: argparse.Namespace) -> None:
                                                            temperature=args.temperature))
             print(step_line(example, step + 1, args.steps, result.metrics, len(groups) + len(groups.dropped))
                   + f", train() returned in {time.perf_counter() - called:.2f} s", flush=True)
+            quiet_steps = 0 if result.metrics.get("groups/trained") else quiet_steps + 1
+            if quiet_steps and quiet_steps % 3 == 0:
+                print(no_signal_note(step + 1, quiet_steps), flush=True)
         final_step = await model.get_step()
         trained = await held_out_score(example, model, final_step, held_out, args.max_tokens, "trained policy")
         directory = Path(args.art_dir) / model.project / "models" / model.name

@@ -13,7 +13,7 @@ from art_backend.engine.torch_engine import TorchEngine
 from art_backend.server import create_app
 from art_backend.training.service import TrainingService
 from examples.city_facts.task import Scenario, score
-from examples.runner import Policy, rollout_seed
+from examples.runner import Policy, no_signal_note, rollout_seed
 from tests.conftest import ServerThread, run_example
 
 
@@ -75,3 +75,35 @@ def test_a_seed_repeats_the_run_token_for_token(tmp_path: Path) -> None:
     assert policy.langchain().seed == 7
     assert policy.llamaindex(additional_kwargs={"user": "u"}, context_window=2048).additional_kwargs == {
         "user": "u", "seed": 7}
+
+
+def test_the_job_says_so_after_three_steps_without_signal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+    import asyncio
+    from dataclasses import dataclass
+
+    from art_integrations import Trajectory, art_capture
+    from examples.runner import Example, train
+
+    @dataclass(frozen=True)
+    class Question:
+        id: str
+
+    async def rollout(policy: Policy, scenario: Question) -> Trajectory:  # a reward that never varies
+        async with art_capture(scenario=scenario.id) as trajectory:
+            pass
+        trajectory.reward = 0.5
+        return trajectory
+
+    example = Example(project="flat", model_prefix="flat", title="flat",
+                      scenarios=lambda split, count, seed: [Question(f"{split}{i}") for i in range(count)],
+                      rollout=rollout)
+    args = argparse.Namespace(steps=4, scenarios_per_step=1, rollouts=2, learning_rate=1e-3, temperature=1.0, seed=0,
+                              name=None, ruler=False, model="tiny-random-smollm2", engine="torch", backend_url=None,
+                              art_dir=str(tmp_path), held_out=1, max_tokens=8)
+    asyncio.run(train(example, args))
+    lines = capsys.readouterr().out.splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == 4 and all("groups trained 0/1, policy entropy n/a" in line for line in steps)
+    notes = [line for line in lines if line.startswith("No group has had signal")]
+    assert notes == [no_signal_note(3, 3)] and lines.index(notes[0]) == lines.index(steps[2]) + 1

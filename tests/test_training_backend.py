@@ -68,6 +68,7 @@ async def test_train_writes_a_checkpoint_serves_it_and_resumes_after_restart(tmp
         assert result.step == 1 and await model.get_step() == 1
         metrics = result.metrics
         assert metrics["groups/trained"] == 1 and metrics["groups/skipped_zero_variance"] == 1
+        assert metrics["groups/signal_share"] == 0.5
         assert metrics["tokens/assistant"] > 0 and metrics["grad_norm"] > 0
         for key in ("reward/mean", "reward/std", "loss", "entropy", "kl", "seconds", "metrics/length"):
             assert key in metrics

@@ -281,6 +281,7 @@ class TrainingService:
         metrics: dict[str, Any] = reward_metrics(groups)
         metrics.update({
             "groups/trained": trained, "groups/skipped_zero_variance": skipped,
+            "groups/signal_share": trained / len(groups) if groups else 0.0,
             "sequences": stats.sequences, "prefix_breaks": stats.prefix_breaks,
             "sequences_truncated": stats.truncated, "tokens/assistant": stats.assistant_tokens,
             "tokens/total": sum(len(s) for s in sequences),
