@@ -250,6 +250,9 @@ async def test_concurrent_requests_share_decode_steps(embedded_engine: TorchEngi
     results = await asyncio.gather(*(_run(embedded_engine, r) for r in requests))
     assert all(len(r[0]["ids"]) == 16 for r in results)
     assert embedded_engine.peak_batch_size >= 8  # they were decoded together, not one after another
+    cache = embedded_engine._cache
+    # 16 rows grew the KV cache past its first 8 slots; with nothing active it is given back
+    assert await embedded_engine._on_worker(lambda: (cache.slots, cache.capacity)) == cache.initial
 
 
 async def _prefill_shapes_and_results(engine: TorchEngine, requests: list[GenerationRequest],

@@ -339,6 +339,8 @@ class TorchEngine:
                 self._admit()
                 if self._active:
                     self._decode_step()
+                if not self._active:
+                    self._cache.release()
             except Exception as error:  # a failed step fails its requests, never the server
                 logger.exception("Engine step failed; failing the %d active sequences", len(self._active))
                 self._fail_active(error)
