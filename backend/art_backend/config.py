@@ -9,6 +9,10 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# The torch engine's store of finished turns' KV. The main job needs about 0.3 GB at once (12 rollouts'
+# last turns of SmolLM2, 46 KB a token in fp32); at 1 GiB it held stale adapters' turns and the job
+# peaked 0.74 GB higher, with the same scores and no faster (docs/benchmarks.md, Memory).
+PREFIX_CACHE_BYTES = 256 << 20
 
 def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "art-backend"
@@ -67,8 +71,8 @@ class BackendSettings(BaseSettings):
         "vLLM's own on vLLM (its max_num_seqs).")
     threads: int | None = Field(default=None, description="torch engine: CPU threads. Default: all cores.")
     prefix_cache_bytes: int = Field(
-        default=1 << 30, ge=0, description="torch engine: memory for the KV of finished turns kept for reuse by the "
-        "next turn or the group's other rollouts (least recently used out).")
+        default=PREFIX_CACHE_BYTES, ge=0, description="torch engine: memory for the KV of finished turns kept for "
+        "reuse by the next turn or the group's other rollouts (least recently used out).")
     max_request_bytes: int = Field(
         default=64 << 20, ge=1024, description="The largest request body taken (a training step's groups included); "
         "larger ones are refused with a 413.")

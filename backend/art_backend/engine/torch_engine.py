@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from art_backend.chat_format import ChatFormatter
+from art_backend.config import PREFIX_CACHE_BYTES
 from art_backend.engine.base import (
     ContextLengthError,
     GenerationRequest,
@@ -110,7 +111,7 @@ class TorchEngine:
 
     def __init__(self, model_dir: Path, served_model_name: str | None = None, aliases: Sequence[str] = (),
                  max_model_len: int | None = None, max_batch_size: int = 64,
-                 prefix_cache_bytes: int = 1 << 30, threads: int | None = None,
+                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES, threads: int | None = None,
                  dtype: str = "float32", cpu_kernels: bool = True) -> None:
         """`dtype`: the serving forward's weights and matmuls (see `LeanLlama`); on GPU always
         the model's bfloat16. `cpu_kernels`: decode with the fused kernels of `cpu_kernels.cpp`."""
