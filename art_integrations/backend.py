@@ -219,6 +219,7 @@ class LocalBackend(Backend):
     def _start_in_process(self, port: int, model: str | None, engine: str | None, art_dir: Path) -> None:
         try:
             import uvicorn
+
             from art_backend.app import build_app
             from art_backend.config import BackendSettings
         except ImportError as error:

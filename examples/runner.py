@@ -22,7 +22,6 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -138,11 +137,12 @@ def rollout_seed(run_seed: int, step: int, scenario: int, rollout: int) -> int:
     return random.Random(f"{run_seed}/{step}/{scenario}/{rollout}").getrandbits(31)
 
 
-def seeded_rollouts(example: Example, policy: Policy, scenario: Scenario, seeds: Callable[[int], int],
+def seeded_rollouts(example: Example, policy: Policy, scenario: Scenario, run_seed: int, step: int, index: int,
                     ) -> Callable[[], Awaitable[Trajectory]]:
-    """What `trajectory_group` calls once per rollout: the n-th call samples with seeds(n)."""
+    """What `trajectory_group` calls once per rollout: the n-th call samples with its own seed."""
     count = itertools.count()
-    return lambda: example.rollout(replace(policy, seed=seeds(next(count))), scenario)
+    return lambda: example.rollout(
+        replace(policy, seed=rollout_seed(run_seed, step, index, next(count))), scenario)
 
 
 def mean_metric(trajectories: Sequence[Trajectory], metric: str) -> float:
@@ -240,8 +240,8 @@ async def train(example: Example, args: argparse.Namespace) -> None:
         for step in range(await model.get_step(), args.steps):
             batch = scenarios[step * args.scenarios_per_step:(step + 1) * args.scenarios_per_step]
             groups = await gather_trajectory_groups(
-                [trajectory_group(seeded_rollouts(example, policy, s, partial(rollout_seed, args.seed, step, i)),
-                                  n=args.rollouts, scenario=s.id)
+                [trajectory_group(seeded_rollouts(example, policy, s, args.seed, step, i), n=args.rollouts,
+                                  scenario=s.id)
                  for i, s in enumerate(batch)],
                 max_exceptions=0.1, after_each=after_each, progress=False)
             called = time.perf_counter()

@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # peaked 0.74 GB higher, with the same scores and no faster (docs/benchmarks.md, Memory).
 PREFIX_CACHE_BYTES = 256 << 20
 
+
 def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "art-backend"
 

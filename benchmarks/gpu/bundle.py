@@ -56,7 +56,7 @@ GPU_REQUIREMENTS = ["vllm==0.24.0", "unsloth==2026.10.9", "unsloth-zoo==2026.10.
 LEFT_OUT = {
     # kernels a dense bf16 model on one GPU does not import: vLLM takes FlashAttention's (in its own
     # wheel) and Triton's (its V2 model runner's sampler imports FlashInfer, so check.sh runs the V1
-    # runner), Unsloth its Triton kernels. bitsandbytes travels (43 MiB): Unsloth's loader refuses
+    # runner), Unsloth its Triton kernels. bitsandbytes travels (41 MiB): Unsloth's loader refuses
     # to load even a 16-bit model without it (seen on the H100, 2026-11-27).
     "kernels": r"flashinfer-.*|tokenspeed-.*|humming-kernels|tilelang|quack-kernels|deep-gemm|deep-ep|xformers",
     # CUDA's libraries and compiler: the machine has the CUDA toolkit and what torch 2.11+cu130 pins
