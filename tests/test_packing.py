@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 from art_backend.training.packing import pack
 from art_backend.training.service import step_sequences
 from art_backend.training.tokenize import TokenizeStats, TrainSequence
-from art_backend.training.trainer import LoraTrainer
+from art_backend.training import trainer as trainer_module
+from art_backend.training.trainer import LoraTrainer, output_head
 from art_integrations.training import LoraConfig, TrainConfig
 from art_integrations.trajectory import TrajectoryGroup
 
@@ -78,6 +79,30 @@ def test_a_packed_step_has_the_unpacked_loss_and_gradients(trainer: LoraTrainer,
     for name, gradient in packed.items():
         torch.testing.assert_close(gradient, plain[name], rtol=1e-4, atol=1e-7, msg=name)
     assert any(float(g.abs().max()) > 0 for n, g in packed.items() if "lora_A" in n)
+
+
+def test_logits_made_a_chunk_at_a_time_give_the_whole_logits_loss_and_gradients(
+        trainer: LoraTrainer, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(trainer.head, torch.nn.Linear)  # a Llama's logits are its lm_head's projection
+    sequences, _ = captured_sequences("city_facts_step.jsonl")
+    config = TrainConfig(temperature=0.7, beta=0.05, micro_batch_tokens=2048)
+    monkeypatch.setattr(trainer_module, "LOGIT_CHUNK_TOKENS", 7)  # many chunks, the last one short
+    chunked_sums, chunked = _gradients(trainer, sequences, config, packing=True)
+    head, trainer.head = trainer.head, torch.nn.Identity()  # the whole model's logits, at once
+    try:
+        whole_sums, whole = _gradients(trainer, sequences, config, packing=True)
+    finally:
+        trainer.head = head
+    assert chunked_sums == pytest.approx(whole_sums, rel=1e-4, abs=1e-6)
+    for name, gradient in chunked.items():
+        torch.testing.assert_close(gradient, whole[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_a_model_that_post_processes_its_logits_keeps_the_whole_forward(tiny_model_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert output_head(model) is model.get_output_embeddings()
+    model.register_forward_hook(lambda module, args, output: output.__class__(logits=torch.tanh(output.logits)))
+    assert isinstance(output_head(model), torch.nn.Identity)  # as Gemma 2's soft-capping would be
 
 
 def test_rows_hold_each_shared_token_once_and_every_trained_token_as_a_term() -> None:

@@ -35,6 +35,10 @@ from art_integrations.training import LoraConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
 
+# Trained tokens whose logits exist at once in a step (see `LoraTrainer._loss_backward`): SmolLM2's
+# vocabulary makes that 48 MiB per float32 copy, against 245 MiB for the main job's whole step.
+LOGIT_CHUNK_TOKENS = 256
+
 # Wraps the base model in its first adapter; returns the PeftModel and that adapter's name.
 FirstAdapter = Callable[[PreTrainedModel, PeftLoraConfig, str], tuple[PeftModel, str]]
 
@@ -74,6 +78,29 @@ def load_peft_model(model_dir: Path) -> tuple[PreTrainedModel, FirstAdapter, boo
     return model, _peft_first_adapter, True
 
 
+def output_head(model: PreTrainedModel) -> torch.nn.Module:
+    """The model's output projection, where its logits are exactly that projection of its decoder's
+    last hidden states, so a step can make logits a chunk of tokens at a time; else the identity, and
+    the step takes the whole model's logits. Checked once on a few tokens, since some families scale,
+    soft-cap or otherwise post-process their logits (Gemma 2, Cohere, Granite)."""
+    head = model.get_output_embeddings()
+    if head is None:
+        logger.info("Trainer: the whole model's logits per step (it names no output head)")
+        return torch.nn.Identity()
+    try:
+        with torch.no_grad():
+            ids = torch.tensor([[1, 2, 3, 4]], device=next(model.parameters()).device)
+            logits = model(input_ids=ids).logits.float()
+            projected = head(model.get_decoder()(input_ids=ids).last_hidden_state).float()
+    except Exception as error:  # noqa: BLE001 - any model whose parts do not run apart keeps the whole forward
+        logger.info("Trainer: the whole model's logits per step (its decoder and head do not run apart: %r)", error)
+        return torch.nn.Identity()
+    if projected.shape != logits.shape or not torch.allclose(projected, logits, rtol=1e-3, atol=1e-3):
+        logger.info("Trainer: the whole model's logits per step (they are not its head's projection of its decoder)")
+        return torch.nn.Identity()
+    return head
+
+
 def _adapter_key(model_name: str) -> str:
     # peft adapter names become module attribute names: keep them identifier-like
     return "m_" + re.sub(r"\W", "_", model_name)
@@ -100,6 +127,7 @@ class LoraTrainer:
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.device = next(model.parameters()).device
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        self.head = output_head(model)
 
     def _adapter(self, model_name: str, lora: LoraConfig, resume_from: Path | None) -> tuple[str, list[torch.nn.Parameter]]:
         key = self.keys.get(model_name)
@@ -177,7 +205,6 @@ class LoraTrainer:
                   total_weight: float) -> tuple[LossTerms, float]:
         """Unpacked: the sequences as rows padded to the longest (for a model whose attention takes
         no custom mask)."""
-        assert self.peft is not None
         length = len(batch[0])
         ids = torch.full((len(batch), length), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(batch), length), dtype=torch.long)
@@ -191,58 +218,86 @@ class LoraTrainer:
             rollout[row, :n] = torch.tensor(seq.logprobs)
             weights[row, :n] = torch.tensor(seq.assistant_mask, dtype=torch.float) * (seq.weight / total_weight)
             advantages[row, :n] = seq.advantage
-        ids, attention = ids.to(self.device), attention.to(self.device)
         # Only positions that predict a trained token need logits: skip the vocabulary projection
         # (a fifth of a small model's compute) over the prompt. Logits at position t predict
         # token t+1, so predicting tokens first..L-1 takes the logits at first-1..L-2.
         first = min(seq.assistant_mask.index(True) for seq in batch)
-        targets = ids[:, first:, None]
-        rollout, weights, advantages = (x[:, first:].to(self.device) for x in (rollout, weights, advantages))
+        inputs = {"input_ids": ids.to(self.device), "attention_mask": attention.to(self.device)}
+        keep = torch.arange(first - 1, length - 1, device=self.device)
 
-        def target_logprobs() -> tuple[torch.Tensor, torch.Tensor]:
-            logits = self.peft(input_ids=ids, attention_mask=attention, logits_to_keep=length - first + 1).logits
-            logp_all = torch.log_softmax(logits[:, :-1].float() / config.temperature, dim=-1)
-            return logp_all, logp_all.gather(-1, targets)[..., 0]
+        def features() -> torch.Tensor:
+            return self._features(inputs, keep).flatten(0, 1)
 
-        return self._loss_backward(target_logprobs, rollout, advantages, weights, losses)
+        targets, rollout, advantages, weights = (x[:, first:].flatten().to(self.device)
+                                                 for x in (ids, rollout, advantages, weights))
+        return self._loss_backward(features, targets, rollout, advantages, weights, config, losses)
 
     def _packed_backward(self, batch: PackedBatch, config: TrainConfig, losses: LossConfig,
                          total_weight: float) -> tuple[LossTerms, float]:
         """Prefix-tree rows (see packing.py): each trained token's logits come from the one copy
-        of its context; logits only at the positions some term needs."""
-        assert self.peft is not None
+        of its context; features only at the positions some term needs."""
         keep, term_index = torch.unique(batch.term_positions, return_inverse=True)
         inputs = {"input_ids": batch.token_ids.to(self.device), "position_ids": batch.positions.to(self.device),
-                  "attention_mask": batch.attention_bias(self.base.dtype).to(self.device),
-                  "logits_to_keep": keep.to(self.device)}
-        rows, term_index = batch.term_rows.to(self.device), term_index.to(self.device)
-        targets = batch.term_targets.to(self.device)
+                  "attention_mask": batch.attention_bias(self.base.dtype).to(self.device)}
+        keep, rows, term_index = keep.to(self.device), batch.term_rows.to(self.device), term_index.to(self.device)
 
-        def target_logprobs() -> tuple[torch.Tensor, torch.Tensor]:
-            logits = self.peft(**inputs).logits[rows, term_index]
-            logp_all = torch.log_softmax(logits.float() / config.temperature, dim=-1)
-            return logp_all, logp_all.gather(-1, targets[:, None])[:, 0]
+        def features() -> torch.Tensor:
+            return self._features(inputs, keep)[rows, term_index]
 
         weights = batch.term_weights / total_weight
-        return self._loss_backward(target_logprobs, *(x.to(self.device) for x in (
-            batch.term_rollout_logprobs, batch.term_advantages, weights)), losses)
+        return self._loss_backward(features, *(x.to(self.device) for x in (
+            batch.term_targets, batch.term_rollout_logprobs, batch.term_advantages, weights)), config, losses)
 
-    def _loss_backward(self, target_logprobs: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-                       rollout: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
-                       losses: LossConfig) -> tuple[LossTerms, float]:
-        """The loss of one forward's trained tokens, its gradients accumulated; and their entropy."""
+    def _features(self, inputs: dict[str, torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
+        """What the output head turns into logits, at the positions `keep` of each row: the decoder's
+        last hidden states, or the model's logits where the head is the identity."""
         assert self.peft is not None
-        logp_all, logp_new = target_logprobs()
-        logp_ref = None
+        if isinstance(self.head, torch.nn.Identity):
+            return self.peft(**inputs, logits_to_keep=keep).logits
+        return self.base.get_decoder()(**inputs).last_hidden_state[:, keep]
+
+    def _loss_backward(self, features: Callable[[], torch.Tensor], targets: torch.Tensor, rollout: torch.Tensor,
+                       advantages: torch.Tensor, weights: torch.Tensor, config: TrainConfig,
+                       losses: LossConfig) -> tuple[LossTerms, float]:
+        """The loss of one forward's trained tokens (one per row of `features`), its gradients
+        accumulated; and their entropy.
+
+        Logits over the whole vocabulary are a step's largest tensors (SmolLM2: 49,152 floats a
+        token, several copies through log-softmax and its backward), so they are made from the
+        features LOGIT_CHUNK_TOKENS tokens at a time: each chunk's loss runs its backward into a
+        detached copy of the features, and the model's backward then runs once from their summed
+        gradient. The loss is a weighted sum over tokens, so the chunks' sum is the same loss."""
+        assert self.peft is not None
+        hidden = features()
+        reference = None
         if losses.beta:
             with torch.no_grad(), self.peft.disable_adapter():
-                logp_ref = target_logprobs()[1]
-        terms = policy_loss(logp_new, rollout, advantages, weights, losses, logp_ref)
-        terms.loss.backward()
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-            entropy_sum = float((entropy * weights).sum())
-        return terms, entropy_sum
+                reference = features()
+        detached = hidden.detach().requires_grad_()
+
+        def logprobs(rows: torch.Tensor, chunk: slice) -> tuple[torch.Tensor, torch.Tensor]:
+            logp_all = torch.log_softmax(self.head(rows).float() / config.temperature, dim=-1)
+            return logp_all, logp_all.gather(-1, targets[chunk, None])[:, 0]
+
+        parts: list[LossTerms] = []
+        entropy_sum = 0.0
+        for start in range(0, len(targets), LOGIT_CHUNK_TOKENS):
+            chunk = slice(start, start + LOGIT_CHUNK_TOKENS)
+            logp_all, logp_new = logprobs(detached[chunk], chunk)
+            logp_ref = None
+            if reference is not None:
+                with torch.no_grad(), self.peft.disable_adapter():
+                    logp_ref = logprobs(reference[chunk], chunk)[1]
+            terms = policy_loss(logp_new, rollout[chunk], advantages[chunk], weights[chunk], losses, logp_ref)
+            terms.loss.backward()
+            parts.append(LossTerms(terms.loss.detach(), terms.policy_loss, terms.kl, terms.clipped_fraction))
+            with torch.no_grad():
+                entropy = -(logp_all.exp() * logp_all).sum(-1)
+                entropy_sum += float((entropy * weights[chunk]).sum())
+        hidden.backward(detached.grad)
+        summed = LossTerms(*(torch.stack([getattr(p, f) for p in parts]).sum() for f in
+                             ("loss", "policy_loss", "kl", "clipped_fraction")))
+        return summed, entropy_sum
 
     def _save(self, key: str, optimizer: torch.optim.Optimizer, save_to: Path) -> None:
         assert self.peft is not None
