@@ -98,6 +98,25 @@ def test_logits_made_a_chunk_at_a_time_give_the_whole_logits_loss_and_gradients(
         torch.testing.assert_close(gradient, whole[name], rtol=1e-4, atol=1e-7, msg=name)
 
 
+def test_checkpointed_activations_give_the_same_loss_and_gradients(trainer: LoraTrainer) -> None:
+    sequences, _ = captured_sequences("city_facts_step.jsonl")
+    config = TrainConfig(temperature=0.7, beta=0.05, micro_batch_tokens=2048)
+    assert trainer.peft is not None
+    trainer.peft.train()  # checkpointing applies in training mode only, as in a step
+    try:
+        trainer._checkpoint_activations(True)  # noqa: SLF001
+        assert trainer.base.model.layers[0].gradient_checkpointing
+        checkpointed_sums, checkpointed = _gradients(trainer, sequences, config, packing=True)
+        trainer._checkpoint_activations(False)  # noqa: SLF001
+        assert not trainer.base.model.layers[0].gradient_checkpointing
+        kept_sums, kept = _gradients(trainer, sequences, config, packing=True)
+    finally:
+        trainer.peft.eval()
+    assert checkpointed_sums == pytest.approx(kept_sums, rel=1e-5, abs=1e-7)
+    for name, gradient in checkpointed.items():
+        torch.testing.assert_close(gradient, kept[name], rtol=1e-5, atol=1e-8, msg=name)
+
+
 def test_a_model_that_post_processes_its_logits_keeps_the_whole_forward(tiny_model_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     assert output_head(model) is model.get_output_embeddings()

@@ -172,6 +172,7 @@ class LoraTrainer:
             self._save(key, optimizer, save_to)
             return {"train_seconds": time.perf_counter() - started}
         self.peft.train()
+        self._checkpoint_activations(config.gradient_checkpointing)
         sums = self.accumulate_gradients(sequences, config)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
         optimizer.step()
@@ -179,6 +180,16 @@ class LoraTrainer:
         self.peft.eval()
         self._save(key, optimizer, save_to)
         return {**sums, "grad_norm": float(grad_norm), "train_seconds": time.perf_counter() - started}
+
+    def _checkpoint_activations(self, on: bool) -> None:
+        """Turn transformers' gradient checkpointing on or off, where it is not so already (Unsloth's
+        model comes with its own on, which stays)."""
+        if on == any(getattr(module, "gradient_checkpointing", False) for module in self.base.modules()):
+            return
+        if on:
+            self.base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.base.gradient_checkpointing_disable()
 
     def accumulate_gradients(self, sequences: list[TrainSequence], config: TrainConfig) -> dict[str, float]:
         """The step's loss over `sequences` (each of its parts summed) and its gradients on the
@@ -222,7 +233,7 @@ class LoraTrainer:
         # (a fifth of a small model's compute) over the prompt. Logits at position t predict
         # token t+1, so predicting tokens first..L-1 takes the logits at first-1..L-2.
         first = min(seq.assistant_mask.index(True) for seq in batch)
-        inputs = {"input_ids": ids.to(self.device), "attention_mask": attention.to(self.device)}
+        inputs = {"input_ids": ids.to(self.device), "attention_mask": attention.to(self.device), "use_cache": False}
         keep = torch.arange(first - 1, length - 1, device=self.device)
 
         def features() -> torch.Tensor:
@@ -238,7 +249,7 @@ class LoraTrainer:
         of its context; features only at the positions some term needs."""
         keep, term_index = torch.unique(batch.term_positions, return_inverse=True)
         inputs = {"input_ids": batch.token_ids.to(self.device), "position_ids": batch.positions.to(self.device),
-                  "attention_mask": batch.attention_bias(self.base.dtype).to(self.device)}
+                  "attention_mask": batch.attention_bias(self.base.dtype).to(self.device), "use_cache": False}
         keep, rows, term_index = keep.to(self.device), batch.term_rows.to(self.device), term_index.to(self.device)
 
         def features() -> torch.Tensor:
