@@ -9,7 +9,8 @@ venv (`art-backend serve --engine vllm`) and the job trains through `--backend-u
 a fresh art directory, so nothing resumes.
 
 Prints one row per job (seed, engine, base, trained, gain, the job's minutes as it reports them:
-on torch they include starting the backend, on vLLM not) and a summary per engine: the smallest and
+on torch they include starting the backend, on vLLM not; and the job process's peak resident
+memory: on torch the whole job with its backend, on vLLM the job without it) and a summary per engine: the smallest and
 median gain, and how many seeds reached `--target`. With both engines, each seed's vLLM gain minus
 its torch gain.
 
@@ -35,7 +36,7 @@ from art_integrations.backend import _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARY = re.compile(r"held-out score: base (?P<base>[-\d.]+) -> trained (?P<trained>[-\d.]+) \([-+\d.]+\) "
-                     r"in (?P<minutes>[\d.]+) min")
+                     r"in (?P<minutes>[\d.]+) min\npeak memory: (?P<peak>[\d.]+) GB")
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Run:
     base: float
     trained: float
     minutes: float
+    peak_gb: float
 
     @property
     def gain(self) -> float:
@@ -99,15 +101,17 @@ def run_job(example: str, seed: int, engine: str, job_args: list[str], vllm_pyth
     if process.returncode != 0 or match is None:
         tail = "\n".join(lines[-60:])
         raise SystemExit(f"seed {seed} on the {engine} engine failed (exit {process.returncode}):\n{tail}")
-    run = Run(seed, engine, float(match["base"]), float(match["trained"]), float(match["minutes"]))
-    print(f"  held-out {run.base:.3f} -> {run.trained:.3f} ({run.gain:+.3f}) in {run.minutes:.1f} min", flush=True)
+    run = Run(seed, engine, float(match["base"]), float(match["trained"]), float(match["minutes"]), float(match["peak"]))
+    print(f"  held-out {run.base:.3f} -> {run.trained:.3f} ({run.gain:+.3f}) in {run.minutes:.1f} min, "
+          f"peak {run.peak_gb:.2f} GB", flush=True)
     return run
 
 
 def print_table(runs: list[Run], engines: list[str], target: float) -> None:
-    print(f"\n{'seed':>4} {'engine':>7} {'base':>6} {'trained':>8} {'gain':>7} {'minutes':>8}")
+    print(f"\n{'seed':>4} {'engine':>7} {'base':>6} {'trained':>8} {'gain':>7} {'minutes':>8} {'peak GB':>8}")
     for run in runs:
-        print(f"{run.seed:>4} {run.engine:>7} {run.base:>6.3f} {run.trained:>8.3f} {run.gain:>+7.3f} {run.minutes:>8.1f}")
+        print(f"{run.seed:>4} {run.engine:>7} {run.base:>6.3f} {run.trained:>8.3f} {run.gain:>+7.3f} {run.minutes:>8.1f} "
+              f"{run.peak_gb:>8.2f}")
     print(f"\n{'engine':>7} {'seeds':>5} {'min gain':>9} {'median gain':>12} {f'gain >= {target:+.2f}':>14} "
           f"{'median min':>11}")
     for engine in engines:
