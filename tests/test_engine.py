@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from art_backend.engine.base import GenerationRequest, ModelNotServedError, SamplingParams
 from art_backend.engine.cpu_kernels import build_directory, load_cpu_kernels
 from art_backend.engine.exact_groups import as_exact_groups
-from art_backend.engine.llama import LORA_TARGETS, PROJECTIONS, LeanLlama, LoraWeights
+from art_backend.engine.llama import KV_GROWTH_TOKENS, LORA_TARGETS, PROJECTIONS, KVCache, LeanLlama, LoraWeights
 from art_backend.engine.sampling import RowSampling, sample
 from art_backend.engine.torch_engine import TorchEngine
 from tests.conftest import random_adapter
@@ -253,6 +253,18 @@ async def test_concurrent_requests_share_decode_steps(embedded_engine: TorchEngi
     cache = embedded_engine._cache
     # 16 rows grew the KV cache past its first 8 slots; with nothing active it is given back
     assert await embedded_engine._on_worker(lambda: (cache.slots, cache.capacity)) == cache.initial
+
+
+def test_the_kv_cache_grows_by_a_step_of_tokens_keeping_what_it_held() -> None:
+    cache = KVCache(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"), slots=2)
+    cache.k[:, 1, :, 5] = 7.0
+    cache.reserve(slots=3, capacity=KV_GROWTH_TOKENS + 30)  # e.g. a 30-token prompt and 256 new tokens
+    assert (cache.slots, cache.capacity) == (4, 2 * KV_GROWTH_TOKENS)  # slots double; tokens round up to the step
+    cache.reserve(slots=3, capacity=2 * KV_GROWTH_TOKENS + 1)
+    assert cache.capacity == 3 * KV_GROWTH_TOKENS  # doubling would have made it 1,024
+    assert bool((cache.k[:, 1, :, 5] == 7.0).all()) and float(cache.k.abs().sum()) == 7.0 * 2 * 4  # layers x head_dim
+    cache.reserve(slots=1, capacity=10)  # never shrinks while in use
+    assert (cache.slots, cache.capacity) == (4, 3 * KV_GROWTH_TOKENS)
 
 
 async def _prefill_shapes_and_results(engine: TorchEngine, requests: list[GenerationRequest],
