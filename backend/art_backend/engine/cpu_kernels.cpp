@@ -11,7 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -211,50 +211,81 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // s * q is exact in float32 and + m rounds once, as the weight did), so this is x W^T + b with the
 // float32 weights, reading 6 or 10 bits a weight instead of 32. Sums run over the inputs in
 // order, ~1e-6 from a BLAS's blocked order.
-using f32x16 = float __attribute__((vector_size(64)));
-using u8x16 = uint8_t __attribute__((vector_size(16)));
-using i32x16 = int32_t __attribute__((vector_size(64)));
-
-// 16 codes -> 16 floats. GCC compiles the portable conversion of 16 bytes read from memory to
-// scalar code, so AVX-512 builds (the ones that use this kernel, see llama.py) say it directly.
-inline f32x16 to_float(u8x16 codes) {
+// A tile's 16 outputs are kParts vectors of kLanes floats: one 512-bit register with AVX-512,
+// two 256-bit ones with AVX2 (GCC splits a 64-byte vector on AVX2 through memory, ~5x slower).
 #ifdef __AVX512F__
-  return reinterpret_cast<f32x16>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(reinterpret_cast<__m128i>(codes))));
+constexpr int kLanes = 16;
 #else
-  return __builtin_convertvector(__builtin_convertvector(codes, i32x16), f32x16);
+constexpr int kLanes = 8;
+#endif
+constexpr int kParts = 16 / kLanes;
+using f32xL = float __attribute__((vector_size(kLanes * sizeof(float))));
+using u8xL = uint8_t __attribute__((vector_size(kLanes)));
+using i32xL = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
+using u8x16 = uint8_t __attribute__((vector_size(16)));
+
+// 16 codes -> kParts vectors of floats. GCC compiles the portable conversion of bytes read from
+// memory to scalar code, so AVX-512 and AVX2 builds say it directly.
+inline void to_float(u8x16 codes, f32xL* out) {
+#ifdef __AVX512F__
+  out[0] = reinterpret_cast<f32xL>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(reinterpret_cast<__m128i>(codes))));
+#elif defined(__AVX2__)
+  const __m128i bytes = reinterpret_cast<__m128i>(codes);
+  out[0] = reinterpret_cast<f32xL>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+  out[1] = reinterpret_cast<f32xL>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
+#else
+  for (int p = 0; p < kParts; ++p) {
+    u8xL part;
+    std::memcpy(&part, reinterpret_cast<const uint8_t*>(&codes) + p * kLanes, sizeof part);
+    out[p] = __builtin_convertvector(__builtin_convertvector(part, i32xL), f32xL);
+  }
 #endif
 }
 
-// acc[r] += x[r] * w for the ROWS rows of one input (xt: inputs transposed, [in, ROWS])
+// acc[r] += x[r] * (s * q + m) for the ROWS rows of one input (xt: inputs transposed, [in, ROWS])
 template <int ROWS>
-inline void accumulate(f32x16* acc, const float* x, f32x16 w) {
-  for (int r = 0; r < ROWS; ++r) acc[r] += x[r] * w;
+inline void accumulate(f32xL (*acc)[kParts], const float* x, u8x16 codes, const f32xL* s, const f32xL* m) {
+  f32xL w[kParts];
+  to_float(codes, w);
+  for (int p = 0; p < kParts; ++p) w[p] = w[p] * s[p] + m[p];
+  for (int r = 0; r < ROWS; ++r)
+    for (int p = 0; p < kParts; ++p) acc[r][p] += x[r] * w[p];
 }
 
-// out[r, o0:o0+16] for ROWS rows; the 16 accumulators of a full block stay in registers.
+// out[r, o0:o0+16] for ROWS rows; a block's accumulators stay in registers.
 template <int ROWS, int BITS>
 inline void group_tile(const float* xt, const uint8_t* codes, const float* scales, const float* offsets,
                        int64_t in, float* out, int64_t out_stride) {
-  f32x16 acc[ROWS];
-  for (int r = 0; r < ROWS; ++r) acc[r] = f32x16{};
+  f32xL acc[ROWS][kParts];
+  for (int r = 0; r < ROWS; ++r)
+    for (int p = 0; p < kParts; ++p) acc[r][p] = f32xL{};
   for (int64_t g = 0; g < in / 32; ++g) {
-    f32x16 s, m;
-    std::memcpy(&s, scales + g * 16, sizeof s);
-    std::memcpy(&m, offsets + g * 16, sizeof m);
+    f32xL s[kParts], m[kParts];
+    std::memcpy(s, scales + g * 16, sizeof s);
+    std::memcpy(m, offsets + g * 16, sizeof m);
     for (int i = 0; i < 32; i += 8 / BITS) {  // one 16-byte load: 2 inputs in 4 bits, 1 in 8
       u8x16 bytes;
       std::memcpy(&bytes, codes + (g * 32 + i) * BITS * 2, sizeof bytes);
       const float* x = xt + (g * 32 + i) * ROWS;
       if constexpr (BITS == 4) {
-        accumulate<ROWS>(acc, x, to_float(bytes & 15) * s + m);
-        accumulate<ROWS>(acc, x + ROWS, to_float(bytes >> 4) * s + m);
+        accumulate<ROWS>(acc, x, bytes & 15, s, m);
+        accumulate<ROWS>(acc, x + ROWS, bytes >> 4, s, m);
       } else {
-        accumulate<ROWS>(acc, x, to_float(bytes) * s + m);
+        accumulate<ROWS>(acc, x, bytes, s, m);
       }
     }
   }
-  for (int r = 0; r < ROWS; ++r) std::memcpy(out + r * out_stride, &acc[r], sizeof acc[r]);
+  for (int r = 0; r < ROWS; ++r) std::memcpy(out + r * out_stride, acc[r], sizeof acc[r]);
 }
+
+// A block's accumulators, ROWS x 16 floats, must fit in the vector registers: 16 rows of one
+// register each in AVX-512's 32; 4 rows of two each in AVX2's 16, leaving room for the weights
+// being dequantized.
+#ifdef __AVX512F__
+constexpr int64_t kBlockRows = 16;
+#else
+constexpr int64_t kBlockRows = 8;
+#endif
 
 template <int BITS>
 void group_rows(int size, const float* xt, const uint8_t* codes, const float* scales, const float* offsets,
@@ -283,11 +314,11 @@ at::Tensor linear_groups(const at::Tensor& x, const at::Tensor& codes, const at:
   auto sizes = x.sizes().vec();
   sizes.back() = n;
   auto out = at::empty(sizes, x.options());
-  // rows in blocks of 16, then 8, 4, 2, 1, each block's inputs transposed so that a row's input
-  // is a broadcast from the cache line the block's other rows share
+  // rows in blocks of up to kBlockRows, then 8, 4, 2, 1, each block's inputs transposed so that a
+  // row's input is a broadcast from the cache line the block's other rows share
   std::vector<std::pair<int64_t, int>> blocks;  // (first row, rows)
   for (int64_t r = 0; r < rows;) {
-    const int64_t left = rows - r;
+    const int64_t left = std::min<int64_t>(rows - r, kBlockRows);
     const int size = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
     blocks.emplace_back(r, size);
     r += size;

@@ -206,10 +206,10 @@ class LeanLlama:
         applies = fused_kernels and self.device.type == "cpu" and self.dtype == torch.float32
         self.kernels = load_cpu_kernels() if applies else None  # None: eager torch ops throughout
         self.norm = inner.norm.weight
-        # exact integer groups only with AVX-512: the kernel keeps 16 rows x 16 outputs of sums in
-        # registers, which AVX2's 16 registers cannot hold (there the float32 layout stays)
-        avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
-        group_kernels = self.kernels if avx512 else None
+        # exact integer groups where the kernel keeps a block of rows' sums in vector registers
+        # (AVX-512, AVX2); a plain SSE build keeps the float32 layout
+        vectors = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2")
+        group_kernels = self.kernels if vectors else None
         self.lm_head = FrozenLinear(model.get_output_embeddings().weight, None, self.weights_dtype, group_kernels)
         # the model's own Linear modules: peft later wraps them for training but keeps these
         # objects (and their frozen weights) as its base layers, so `merge` can re-read them
