@@ -14,7 +14,7 @@ ENGINE_TESTS := tests/test_openai_api.py tests/test_engines.py tests/test_traini
 # Tests whose vLLM part (-m vllm) runs in .venv-vllm beside the engine contract tests
 VLLM_TESTS := $(ENGINE_TESTS) tests/test_gpu_kit.py
 
-.PHONY: setup setup-vllm setup-art browser run smoke docs test bench-serving bench-load bench-vllm-serving bench-lora-serving bench-training bench-capture bench-rollouts bench-learning gpu-bundle clean
+.PHONY: setup setup-vllm setup-art browser run smoke docs test bench-serving bench-llamacpp bench-load bench-vllm-serving bench-lora-serving bench-training bench-capture bench-rollouts bench-learning gpu-bundle clean
 
 # $(call new_venv,DIR,PACKAGES): a venv at DIR with the pinned CPU torch, the embedded model and PACKAGES.
 define new_venv
@@ -86,6 +86,10 @@ test: setup setup-vllm setup-art browser
 # ARGS="--dtype float32,bfloat16" adds the bf16 rows (each against transformers in bf16)
 bench-serving: setup
 	$(BIN)/python benchmarks/bench_serving.py $(ARGS)
+
+# one stream and 16 against llama.cpp's server (built once from llama-cpp-python's sdist) on the same GGUF and threads
+bench-llamacpp: setup
+	$(BIN)/python benchmarks/bench_llamacpp.py $(ARGS)
 
 # 64 concurrent long requests with a GRPO step among them: the server's memory before, at peak, after
 bench-load: setup
