@@ -17,7 +17,7 @@ import torch.utils.cpp_extension
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from art_backend.engine.base import GenerationRequest, ModelNotServedError, SamplingParams
-from art_backend.engine.cpu_kernels import build_directory, load_cpu_kernels
+from art_backend.engine.cpu_kernels import build_directory, load_cpu_kernels, vector_build
 from art_backend.engine.exact_groups import as_exact_groups
 from art_backend.engine.llama import KV_GROWTH_TOKENS, LORA_TARGETS, PROJECTIONS, KVCache, LeanLlama, LoraWeights
 from art_backend.engine.sampling import RowSampling, sample
@@ -80,7 +80,7 @@ def _exact_groups_apply(lean: LeanLlama) -> bool:
     """Whether `lean` may serve exact integer groups here; where a compiler exists, the kernels must build."""
     if lean.kernels is None:
         assert not shutil.which("c++"), "the fused kernels did not build although a compiler exists"
-    return lean.kernels is not None and torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2")
+    return lean.kernels is not None and vector_build()
 
 
 def test_exact_integer_groups_are_found_and_multiply_as_the_float32_weights(embedded_model_dir: Path) -> None:

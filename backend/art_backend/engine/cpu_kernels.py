@@ -50,6 +50,12 @@ def build_directory(name: str) -> Path:
     return Path(root) / name
 
 
+def vector_build() -> bool:
+    """Whether the kernels build with this CPU's vector instructions (AVX-512 or AVX2), which the
+    exact-groups matmul needs to beat oneDNN's float32."""
+    return torch.backends.cpu.get_cpu_capability() in _VECTOR_FLAGS
+
+
 @functools.cache
 def load_cpu_kernels() -> Any | None:
     """`torch.ops.art_cpu_kernels`, or None, with a warning saying why, where they cannot be built."""

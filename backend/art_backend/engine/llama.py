@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from art_backend.engine.cpu_kernels import load_cpu_kernels
+from art_backend.engine.cpu_kernels import load_cpu_kernels, vector_build
 from art_backend.engine.exact_groups import as_exact_groups
 
 logger = logging.getLogger(__name__)
@@ -206,10 +206,9 @@ class LeanLlama:
         applies = fused_kernels and self.device.type == "cpu" and self.dtype == torch.float32
         self.kernels = load_cpu_kernels() if applies else None  # None: eager torch ops throughout
         self.norm = inner.norm.weight
-        # exact integer groups where the kernel keeps a block of rows' sums in vector registers
-        # (AVX-512, AVX2); a plain SSE build keeps the float32 layout
-        vectors = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2")
-        group_kernels = self.kernels if vectors else None
+        # exact integer groups where the kernel keeps a block of rows' sums in vector registers;
+        # a plain SSE build keeps the float32 layout
+        group_kernels = self.kernels if vector_build() else None
         self.lm_head = FrozenLinear(model.get_output_embeddings().weight, None, self.weights_dtype, group_kernels)
         # the model's own Linear modules: peft later wraps them for training but keeps these
         # objects (and their frozen weights) as its base layers, so `merge` can re-read them
