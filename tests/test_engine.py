@@ -165,6 +165,38 @@ def test_fused_decode_kernels_match_the_eager_ops(model_fixture: str, request: p
     torch.testing.assert_close(caches[0].v, caches[1].v, atol=1e-5, rtol=1e-4)
 
 
+def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(embedded_model_dir: Path) -> None:
+    # continuous batching puts a sequence beside whichever requests run at that moment, so a
+    # seed repeats only if each row's logits come out bit for bit the same in any batch (#33)
+    model = AutoModelForCausalLM.from_pretrained(embedded_model_dir).eval()
+    lean = LeanLlama(model, max_len=64)
+    if not _exact_groups_apply(lean):
+        pytest.skip("exact integer groups need the kernels' AVX2 or AVX-512 build")
+    modules = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+    adapter, other = _random_lora(lean, modules, seed=1), _random_lora(lean, ["up_proj"], seed=2)
+    torch.manual_seed(0)
+    prompts = torch.randint(0, model.config.vocab_size, (5, 10))
+    lora = [adapter, None, other, adapter, adapter]
+    alone, together = lean.new_cache(), lean.new_cache()
+    alone.reserve(1, 16)
+    together.reserve(5, 16)
+    positions = torch.arange(10)[None]
+    first = lean.forward(prompts[:1], positions, torch.tensor([0]), alone, torch.tensor([10]), lora[:1])
+    pair = lean.forward(prompts[:2], positions.expand(2, 10), torch.arange(2), together, torch.tensor([10, 10]),
+                        lora[:2])
+    assert torch.equal(first[0], pair[0])  # a prompt's prefill beside another prompt
+    for row in range(2, 5):
+        lean.forward(prompts[row:row + 1], positions, torch.tensor([row]), together, torch.tensor([10]), [lora[row]])
+    tokens = torch.randint(0, model.config.vocab_size, (5, 1))
+    for step in range(10, 12):  # decode steps: one row, then five rows with two adapters and the base model
+        one = lean.logits(lean.forward(tokens[:1], torch.tensor([[step]]), torch.tensor([0]), alone,
+                                       torch.tensor([step + 1]), lora[:1]))
+        five = lean.logits(lean.forward(tokens, torch.full((5, 1), step), torch.arange(5), together,
+                                        torch.full((5,), step + 1), lora))
+        assert torch.equal(one[0], five[0])
+        tokens = five[:, -1].argmax(dim=-1, keepdim=True)
+
+
 def test_fused_sampling_draws_what_the_torch_sampler_draws() -> None:
     kernels = _kernels_or_skip()
     torch.manual_seed(0)

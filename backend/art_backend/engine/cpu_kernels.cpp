@@ -2,8 +2,9 @@
 //
 // At decode batch sizes the step's matmuls stream their weights at the memory-bandwidth limit;
 // what is left between them is ~20 small torch ops per layer, each a dispatch and a pass over
-// memory. Three ops here replace them, a fourth draws the next tokens, and a fifth multiplies
-// weights stored as exact integer groups, which cuts the bytes those matmuls stream. Built by
+// memory. Three ops here replace them, a fourth draws the next tokens, a fifth multiplies
+// weights stored as exact integer groups, which cuts the bytes those matmuls stream, and a sixth
+// adds a LoRA adapter's delta row by row. Built by
 // cpu_kernels.py; each has an eager twin (llama.py, sampling.py, float64) that the tests compare
 // it with.
 
@@ -347,6 +348,71 @@ at::Tensor linear_groups(const at::Tensor& x, const at::Tensor& codes, const at:
   return out;
 }
 
+// A LoRA adapter's delta (x A^T) B^T for every row of x [rows, in], with a [rank, in] and
+// b_t = B^T [rank, out] (B scaled): t = x A^T, then out = sum over k of t[k] b_t[k]. Each output
+// is summed in one fixed order whatever the other rows are, so a sequence's tokens do not depend
+// on which requests share its step: a BLAS chooses its blocking by the row count, and the same
+// row came out ~1e-4 apart alone and beside others, enough to draw another token later.
+inline float dot(const float* x, const float* a, int64_t in) {
+  f32xL acc[4] = {};
+  int64_t i = 0;
+  for (; i + 4 * kLanes <= in; i += 4 * kLanes)
+    for (int p = 0; p < 4; ++p) {
+      f32xL xv, av;
+      std::memcpy(&xv, x + i + p * kLanes, sizeof xv);
+      std::memcpy(&av, a + i + p * kLanes, sizeof av);
+      acc[p] += xv * av;
+    }
+  const f32xL lanes = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  float sum = 0.f;
+  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+  for (; i < in; ++i) sum += x[i] * a[i];
+  return sum;
+}
+
+at::Tensor lora_delta(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t) {
+  check_float({&x, &a, &b_t}, "lora_delta");
+  TORCH_CHECK(a.dim() == 2 && b_t.dim() == 2 && a.size(0) == b_t.size(0) && a.is_contiguous() && b_t.is_contiguous(),
+              "lora_delta: a must be contiguous [rank, in] and b_t contiguous [rank, out]");
+  const int64_t rank = a.size(0), in = a.size(1), n = b_t.size(1);
+  TORCH_CHECK(x.size(-1) == in, "lora_delta: x's last dim must be the adapter's ", in, " inputs");
+  const auto x_c = x.contiguous();
+  const int64_t rows = x_c.numel() / in;
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  auto out = at::empty(sizes, x.options());
+  const float *x_p = x_c.data_ptr<float>(), *a_p = a.data_ptr<float>(), *b_p = b_t.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
+  std::vector<float> t(rows * rank);
+  at::parallel_for(0, rows * rank, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) t[j] = dot(x_p + (j / rank) * in, a_p + (j % rank) * in, in);
+  });
+  // one task per (row, 256 outputs): a single row's delta still spreads over the threads
+  constexpr int64_t kColumns = 256;
+  const int64_t chunks = (n + kColumns - 1) / kColumns;
+  at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / chunks, first = task % chunks * kColumns, last = std::min(first + kColumns, n);
+      float* o = out_p + r * n;
+      std::fill(o + first, o + last, 0.f);
+      for (int64_t k = 0; k < rank; ++k) {
+        const float tk = t[r * rank + k];
+        const float* b = b_p + k * n;
+        int64_t j = first;
+        for (; j + kLanes <= last; j += kLanes) {
+          f32xL ov, bv;
+          std::memcpy(&ov, o + j, sizeof ov);
+          std::memcpy(&bv, b + j, sizeof bv);
+          ov += tk * bv;
+          std::memcpy(o + j, &ov, sizeof ov);
+        }
+        for (; j < last; ++j) o[j] += tk * b[j];
+      }
+    }
+  });
+  return out;
+}
+
 // Row b of `logits` [batch, vocab]: a token drawn from softmax(logits[b] / t) by inverse CDF
 // at `uniform[b]` in [0, 1), t = temperature[b] (0: the argmax, scored at t = 1), and its
 // logprob log_softmax(logits[b] / t)[token]. One pass computes the exps and their sums per block
@@ -419,6 +485,7 @@ TORCH_LIBRARY(art_cpu_kernels, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("sample_tokens(Tensor logits, Tensor temperature, Tensor uniform) -> (Tensor, Tensor)");
   m.def("linear_groups(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias, int bits) -> Tensor");
+  m.def("lora_delta(Tensor x, Tensor a, Tensor b_t) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(art_cpu_kernels, CPU, m) {
@@ -427,4 +494,5 @@ TORCH_LIBRARY_IMPL(art_cpu_kernels, CPU, m) {
   m.impl("silu_mul", silu_mul);
   m.impl("sample_tokens", sample_tokens);
   m.impl("linear_groups", linear_groups);
+  m.impl("lora_delta", lora_delta);
 }

@@ -26,7 +26,9 @@ are kept as such and multiplied by `linear_groups` (exact_groups.py): a 16-row s
 embedded model then reads ~120 MB of weights instead of ~540 MB, and takes ~0.6x the time.
 
 LoRA adapters are applied unmerged, per row: row b of a batch adds
-scale * (x A_b^T) B_b^T, where A_b, B_b belong to that row's adapter. An adapter may also carry
+scale * (x A_b^T) B_b^T, where A_b, B_b belong to that row's adapter. On CPU the kernels sum
+each row's delta in an order that no other row changes, so a seeded request draws the same tokens
+whichever requests share its steps. An adapter may also carry
 merged weights, W + scale * B A packed like the base ones: a batch whose rows all use it (a
 rollout step) then costs what the base model costs, at the price of a dense copy of the
 adapted projections. Over exact integer groups the engine does not merge: the groups plus the
@@ -61,10 +63,11 @@ LORA_TARGETS = tuple(module for modules in PROJECTIONS.values() for module in mo
 class LoraWeights:
     """One adapter, per (layer, fused projection): A [R, in] stacks the A of every target module
     in it and B [out, R] is block-diagonal with their scaled B, so one pair of matmuls gives the
-    whole projection's delta (a module the adapter lacks is a zero block)."""
+    whole projection's delta (a module the adapter lacks is a zero block). B is kept transposed,
+    `b_t` [R, out], the layout in which `lora_delta` reads it."""
 
     a: dict[tuple[int, str], Tensor]
-    b: dict[tuple[int, str], Tensor]
+    b_t: dict[tuple[int, str], Tensor]
     merged: list[dict[str, FrozenLinear]] | None = None  # per layer, from `LeanLlama.merge`
     source: Path | None = None  # the adapter directory it was read from
 
@@ -264,7 +267,7 @@ class LeanLlama:
                 key = (i, projection)
                 if key in lora.a:
                     weight, bias = self._fused(i, projection)
-                    linears[projection] = FrozenLinear(weight + lora.b[key] @ lora.a[key], bias, self.weights_dtype)
+                    linears[projection] = FrozenLinear(weight + lora.b_t[key].T @ lora.a[key], bias, self.weights_dtype)
                 else:
                     linears[projection] = base[projection]
             merged.append(linears)
@@ -305,11 +308,16 @@ class LeanLlama:
                         block[row:row + part.shape[0], col:col + part.shape[1]] = part
                         col += part.shape[1]
                     row += out_size[module]
-                fused_b[(layer, projection)] = block
+                fused_b[(layer, projection)] = block.T.contiguous()
         return LoraWeights(fused_a, fused_b)
 
-    @staticmethod
-    def _lora(x: Tensor, key: tuple[int, str], lora: list[LoraWeights | None]) -> Tensor | None:
+    def _delta(self, x: Tensor, adapter: LoraWeights, key: tuple[int, str]) -> Tensor:
+        """(x A^T) B^T; with the CPU kernels, each row's sums in an order no other row changes."""
+        if self.kernels is not None:
+            return self.kernels.lora_delta(x, adapter.a[key], adapter.b_t[key])
+        return (x @ adapter.a[key].T) @ adapter.b_t[key]
+
+    def _lora(self, x: Tensor, key: tuple[int, str], lora: list[LoraWeights | None]) -> Tensor | None:
         """Per-row LoRA deltas for one fused projection (rows grouped by adapter), or None."""
         groups: dict[int, tuple[LoraWeights, list[int]]] = {}
         for row, adapter in enumerate(lora):
@@ -318,10 +326,10 @@ class LeanLlama:
         if len(groups) == 1:
             adapter, rows = next(iter(groups.values()))
             if len(rows) == len(lora):  # one adapter for the whole batch (a rollout step): no gather/scatter
-                return (x @ adapter.a[key].T) @ adapter.b[key].T
+                return self._delta(x, adapter, key)
         delta = None
         for adapter, rows in groups.values():
-            d = (x[rows] @ adapter.a[key].T) @ adapter.b[key].T
+            d = self._delta(x[rows], adapter, key)
             if delta is None:
                 delta = x.new_zeros(*x.shape[:-1], d.shape[-1])
             delta[rows] = d
