@@ -201,7 +201,7 @@ async def gather_trajectory_groups(
         if rewards:
             bar.set_postfix(reward=f"{statistics.fmean(rewards):.3f}", tokens=tokens, errors=len(failures))
 
-    async def run(index: int, spec: RolloutGroup) -> None:
+    async def run(index: int, spec: RolloutGroup) -> Trajectory | None:
         async with limit:
             try:
                 with deferred_token_fetch(pending[index]):
@@ -219,17 +219,21 @@ async def gather_trajectory_groups(
                         f"{len(failures)} of {total} rollouts failed, over max_exceptions={max_exceptions}. "
                         f"First failure:\n{failures[0]}") from error
             else:
-                gathered[index].trajectories.append(trajectory)
                 rewards.append(trajectory.reward)
+                return trajectory
             finally:
                 bar.update(1)
                 show_progress()
+            return None
 
     async def run_group(index: int, spec: RolloutGroup) -> None:
         nonlocal tokens
         if runner is not None:  # a rollout function that cannot be sent fails the gather, not n rollouts
             spec = replace(spec, rollout=runner.remote(spec.rollout))
-        await asyncio.gather(*(run(index, spec) for _ in range(spec.n)))
+        finished = await asyncio.gather(*(run(index, spec) for _ in range(spec.n)))
+        # in the order the rollouts started, not finished: a seeded run then trains on the same
+        # sequences in the same order, whatever the timing
+        gathered[index].trajectories.extend(t for t in finished if t is not None)
         if pending[index]:
             await asyncio.to_thread(fetch_tokens, pending[index])
         group = gathered[index]

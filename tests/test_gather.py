@@ -34,6 +34,28 @@ async def test_groups_come_back_in_order_within_the_concurrency_limit() -> None:
     assert [[t.reward for t in g.trajectories] for g in groups] == [[float(s)] * 4 for s in range(5)]
 
 
+
+@pytest.mark.parametrize("max_concurrency", [None, 2])
+async def test_a_groups_trajectories_keep_the_order_their_rollouts_started_in(max_concurrency: int | None) -> None:
+    # a seeded run trains on the same sequences in the same order only if a rollout that
+    # finishes first is not moved ahead of the ones started before it
+    started = 0
+
+    async def rollout() -> Trajectory:
+        nonlocal started
+        order = started
+        started += 1
+        await asyncio.sleep(0.01 * (3 - order % 4))  # in each group the last started finishes first
+        return Trajectory(reward=float(order))
+
+    groups = await gather_trajectory_groups([trajectory_group(rollout, n=4) for _ in range(2)],
+                                            max_concurrency=max_concurrency, progress=False)
+    rewards = [t.reward for g in groups for t in g.trajectories]
+    assert sorted(rewards) == [float(i) for i in range(8)]
+    for group in groups:  # each group's rollouts in the order they started
+        assert [t.reward for t in group.trajectories] == sorted(t.reward for t in group.trajectories)
+
+
 async def test_failed_rollouts_are_kept_with_tracebacks_within_the_budget() -> None:
     calls = 0
 
