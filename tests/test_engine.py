@@ -166,8 +166,9 @@ def test_fused_decode_kernels_match_the_eager_ops(model_fixture: str, request: p
 
 
 def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(embedded_model_dir: Path) -> None:
-    # continuous batching puts a sequence beside whichever requests run at that moment, so a
-    # seed repeats only if each row's logits come out bit for bit the same in any batch (#33)
+    # continuous batching puts a sequence beside whichever requests run at that moment, and
+    # whether a prompt's start is already cached depends on timing, so a seed repeats only if
+    # each token's numbers come out bit for bit the same in any batch and by any path (#33)
     model = AutoModelForCausalLM.from_pretrained(embedded_model_dir).eval()
     lean = LeanLlama(model, max_len=64)
     if not _exact_groups_apply(lean):
@@ -195,6 +196,15 @@ def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(embedded_model_dir: P
                                         torch.full((5,), step + 1), lora))
         assert torch.equal(one[0], five[0])
         tokens = five[:, -1].argmax(dim=-1, keepdim=True)
+    # a token's numbers, whether it came in a prompt, after a cached prefix or in a decode step
+    whole, chunked = lean.new_cache(), lean.new_cache()
+    whole.reserve(1, 16)
+    chunked.reserve(1, 16)
+    sequence = torch.cat([prompts[:1], torch.randint(0, model.config.vocab_size, (1, 2))], dim=1)
+    at_once = lean.forward(sequence, torch.arange(12)[None], torch.tensor([0]), whole, torch.tensor([12]), lora[:1])
+    pieces = [lean.forward(sequence[:, a:b], torch.arange(a, b)[None], torch.tensor([0]), chunked, torch.tensor([b]),
+                           lora[:1]) for a, b in ((0, 6), (6, 11), (11, 12))]
+    assert torch.equal(at_once, torch.cat(pieces, dim=1))
 
 
 def test_fused_sampling_draws_what_the_torch_sampler_draws() -> None:

@@ -66,11 +66,13 @@ void check_float(std::initializer_list<const at::Tensor*> tensors, const char* o
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), op, ": inputs must be float32 CPU tensors");
 }
 
-// For each row b (one new token at position p = positions[b], cache slot s = slots[b]):
+// For each row b (one token at position p = positions[b], cache slot s = slots[b]):
 //   k, q <- rotary(k), rotary(q);  K[s, :, p] <- k;  V[s, :, p] <- v
 //   out[b, head] = softmax(q K[s, kv(head), :p+1]^T / sqrt(d)) V[s, kv(head), :p+1]
-// with grouped-query heads sharing their KV head. One task per (row, KV head): it reads that
-// head's keys and values once for all the query heads of its group.
+// with grouped-query heads sharing their KV head. Every row's key and value are written before
+// any row attends, so rows may be one prompt's tokens (same slot, successive positions): a token
+// then gets the same numbers in a prompt as in a decode step. One task per (row, KV head): it
+// reads that head's keys and values once for all the query heads of its group.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                             at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& positions) {
@@ -97,16 +99,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const float *cos_p = cos.data_ptr<float>(), *sin_p = sin.data_ptr<float>();
   float *k_base = k_cache.data_ptr<float>(), *v_base = v_cache.data_ptr<float>(), *out_p = out.data_ptr<float>();
 
+  at::parallel_for(0, batch * kv_heads, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads, position = position_of[b];
+      const int64_t head = (slot_of[b] * kv_heads + h) * capacity * d;
+      rotate(kp + b * k.stride(0) + h * k.stride(1), cos_p + b * d, sin_p + b * d, k_base + head + position * d, d, 1.0f);
+      const float* v_new = vp + b * v.stride(0) + h * v.stride(1);
+      std::copy(v_new, v_new + d, v_base + head + position * d);
+    }
+  });
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> queries(group * d), scores, acc(group * d), total(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads, position = position_of[b], length = position + 1;
       const float *cos_b = cos_p + b * d, *sin_b = sin_p + b * d;
-      float* keys = k_base + (slot_of[b] * kv_heads + h) * capacity * d;
-      float* values = v_base + (slot_of[b] * kv_heads + h) * capacity * d;
-      rotate(kp + b * k.stride(0) + h * k.stride(1), cos_b, sin_b, keys + position * d, d, 1.0f);
-      const float* v_new = vp + b * v.stride(0) + h * v.stride(1);
-      std::copy(v_new, v_new + d, values + position * d);
+      const float* keys = k_base + (slot_of[b] * kv_heads + h) * capacity * d;
+      const float* values = v_base + (slot_of[b] * kv_heads + h) * capacity * d;
       for (int64_t g = 0; g < group; ++g)
         rotate(qp + b * q.stride(0) + (h * group + g) * q.stride(1), cos_b, sin_b, queries.data() + g * d, d, scale);
 
