@@ -222,6 +222,24 @@ def test_fused_sampling_draws_what_the_torch_sampler_draws() -> None:
     assert len(set(fused.token_ids[1::4])) > 8  # sampled rows really draw (not all argmax)
 
 
+
+def test_a_rows_draw_does_not_depend_on_what_the_rows_beside_it_ask_for() -> None:
+    # a grammar, top-p or top logprobs in one row must not send its neighbours another way round
+    kernels = _kernels_or_skip()
+    torch.manual_seed(0)
+    logits = torch.randn(4, 49152) * 4
+
+    def row(seed: int, top_p: float = 1.0, top_logprobs: int = 0) -> RowSampling:
+        return RowSampling(1.0, top_p, top_logprobs, torch.Generator().manual_seed(seed))
+
+    alone = sample(logits[:1], [row(0)], kernels=kernels)
+    allowed = torch.ones(4, 49152, dtype=torch.bool)
+    allowed[1, 100:] = False  # row 1's grammar allows 100 tokens
+    beside = sample(logits, [row(0), row(1), row(2, top_p=0.9), row(3, top_logprobs=3)], allowed, kernels=kernels)
+    assert (beside.token_ids[0], beside.logprobs[0]) == (alone.token_ids[0], alone.logprobs[0])
+    assert beside.token_ids[1] < 100 and len(beside.top[3]) == 3 and beside.top[0] == []
+
+
 def test_a_failed_kernel_build_falls_back_to_eager_ops_with_a_warning(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     def no_compiler(*args: Any, **kwargs: Any) -> None:

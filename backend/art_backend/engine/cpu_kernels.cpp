@@ -108,10 +108,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       std::copy(v_new, v_new + d, v_base + head + position * d);
     }
   });
+  // A prompt's rows attend to ever more keys, and each thread takes one run of tasks: rows are
+  // taken first, last, second, second to last..., so that every run holds a fair share of work.
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> queries(group * d), scores, acc(group * d), total(group);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads, position = position_of[b], length = position + 1;
+      const int64_t turn = task / kv_heads, b = turn % 2 == 0 ? turn / 2 : batch - 1 - turn / 2;
+      const int64_t h = task % kv_heads, position = position_of[b], length = position + 1;
       const float *cos_b = cos_p + b * d, *sin_b = sin_p + b * d;
       const float* keys = k_base + (slot_of[b] * kv_heads + h) * capacity * d;
       const float* values = v_base + (slot_of[b] * kv_heads + h) * capacity * d;

@@ -128,15 +128,35 @@ def sample(logits: Tensor, rows: list[RowSampling], allowed: Tensor | None = Non
            kernels: Any | None = None) -> Sampled:
     """`logits` [B, vocab] (float32, penalties applied) -> one token per row. `allowed`: [B, vocab]
     bool, what each row's grammar allows (all True for rows without one). `kernels`: the fused CPU
-    ops (`cpu_kernels.py`), used when no row truncates, wants top logprobs or has a grammar."""
+    ops (`cpu_kernels.py`), which draw each row that does not truncate, want top logprobs or have a
+    grammar that masks tokens at this step. Which way a row goes depends on that row alone: the two
+    ways round differently, and a seeded request must draw alike whatever rows share its step."""
+    if kernels is None:
+        return _sample_eager(logits, rows, allowed)
+    masked = [False] * len(rows) if allowed is None else (~allowed.all(dim=-1)).tolist()
+    fused = [i for i, r in enumerate(rows) if not (r.truncates or r.top_logprobs or masked[i])]
+    if not fused:
+        return _sample_eager(logits, rows, allowed)
+    fused_rows = [rows[i] for i in fused]
+    temperature = torch.tensor([float(r.temperature) for r in fused_rows], device=logits.device)
+    tokens, chosen = kernels.sample_tokens(_take_rows(logits, fused).contiguous(), temperature,
+                                           _uniforms(fused_rows, logits.device))
+    if len(fused) == len(rows):
+        return Sampled(tokens.tolist(), chosen.tolist(), [[] for _ in rows])
+    eager = sorted(set(range(len(rows))) - set(fused))
+    rest = _sample_eager(logits[eager], [rows[i] for i in eager], None if allowed is None else allowed[eager])
+    picks = dict(zip(fused, zip(tokens.tolist(), chosen.tolist(), [[] for _ in fused])))
+    picks.update(zip(eager, zip(rest.token_ids, rest.logprobs, rest.top)))
+    token_ids, logprobs, top = (list(column) for column in zip(*(picks[i] for i in range(len(rows)))))
+    return Sampled(token_ids, logprobs, top)
+
+
+def _sample_eager(logits: Tensor, rows: list[RowSampling], allowed: Tensor | None) -> Sampled:
+    """`sample` in torch ops: every row, whatever it asks for."""
     device = logits.device
     temperature = torch.tensor([float(r.temperature) for r in rows], device=device)
     uniform = _uniforms(rows, device)
     truncated_rows = [i for i, r in enumerate(rows) if r.truncates]
-    if kernels is not None and allowed is None and not truncated_rows and not any(r.top_logprobs for r in rows):
-        tokens, chosen = kernels.sample_tokens(logits, temperature, uniform)
-        return Sampled(tokens.tolist(), chosen.tolist(), [[] for _ in rows])
-
     scaled = logits / torch.where(temperature == 0, 1.0, temperature)[:, None]
     drawn = scaled if allowed is None else scaled.masked_fill(~allowed, float("-inf"))
     if truncated_rows:
