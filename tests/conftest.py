@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +26,18 @@ from art_backend.engine.torch_engine import TorchEngine
 from art_backend.model_store import embedded_model_dir as _embedded_model_dir
 from art_backend.model_store import tiny_model_dir as _tiny_model_dir
 from art_backend.server import create_app
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ctrl_c_reaches_child_processes() -> None:
+    """A shell without job control starts a background command (`make test &` in a script) with
+    SIGINT and SIGQUIT ignored; child processes inherit that, and a Python child that starts so
+    never raises KeyboardInterrupt, so the Ctrl-C tests (test_ray, test_wizard) would wait out their
+    timeouts and fail. The defaults are put back for the whole run."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session")
