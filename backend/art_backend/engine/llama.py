@@ -29,9 +29,8 @@ are kept as such and multiplied by `linear_groups` (exact_groups.py): a 16-row s
 embedded model then reads ~120 MB of weights instead of ~540 MB, and takes ~0.6x the time.
 
 LoRA adapters are applied unmerged, per row: row b of a batch adds
-scale * (x A_b^T) B_b^T, where A_b, B_b belong to that row's adapter. On CPU the kernels sum
-each row's delta in an order that no other row changes, so a seeded request draws the same tokens
-whichever requests share its steps. An adapter may also carry
+scale * (x A_b^T) B_b^T, where A_b, B_b belong to that row's adapter (on CPU, `lora_delta`: per
+row, as above). An adapter may also carry
 merged weights, W + scale * B A packed like the base ones: a batch whose rows all use it (a
 rollout step) then costs what the base model costs, at the price of a dense copy of the
 adapted projections. Over exact integer groups the engine does not merge: the groups plus the

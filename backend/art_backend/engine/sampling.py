@@ -134,21 +134,24 @@ def sample(logits: Tensor, rows: list[RowSampling], allowed: Tensor | None = Non
     if kernels is None:
         return _sample_eager(logits, rows, allowed)
     masked = [False] * len(rows) if allowed is None else (~allowed.all(dim=-1)).tolist()
-    fused = [i for i, r in enumerate(rows) if not (r.truncates or r.top_logprobs or masked[i])]
+    plain = [not (r.truncates or r.top_logprobs or m) for r, m in zip(rows, masked)]
+    fused = [i for i, p in enumerate(plain) if p]
+    eager = [i for i, p in enumerate(plain) if not p]
     if not fused:
         return _sample_eager(logits, rows, allowed)
     fused_rows = [rows[i] for i in fused]
     temperature = torch.tensor([float(r.temperature) for r in fused_rows], device=logits.device)
     tokens, chosen = kernels.sample_tokens(_take_rows(logits, fused).contiguous(), temperature,
                                            _uniforms(fused_rows, logits.device))
-    if len(fused) == len(rows):
+    if not eager:
         return Sampled(tokens.tolist(), chosen.tolist(), [[] for _ in rows])
-    eager = sorted(set(range(len(rows))) - set(fused))
     rest = _sample_eager(logits[eager], [rows[i] for i in eager], None if allowed is None else allowed[eager])
-    picks = dict(zip(fused, zip(tokens.tolist(), chosen.tolist(), [[] for _ in fused])))
-    picks.update(zip(eager, zip(rest.token_ids, rest.logprobs, rest.top)))
-    token_ids, logprobs, top = (list(column) for column in zip(*(picks[i] for i in range(len(rows)))))
-    return Sampled(token_ids, logprobs, top)
+    out = Sampled([0] * len(rows), [0.0] * len(rows), [[] for _ in rows])
+    for j, i in enumerate(fused):
+        out.token_ids[i], out.logprobs[i] = int(tokens[j]), float(chosen[j])
+    for j, i in enumerate(eager):
+        out.token_ids[i], out.logprobs[i], out.top[i] = rest.token_ids[j], rest.logprobs[j], rest.top[j]
+    return out
 
 
 def _sample_eager(logits: Tensor, rows: list[RowSampling], allowed: Tensor | None) -> Sampled:
