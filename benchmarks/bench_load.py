@@ -9,9 +9,11 @@ the same backend, so the step runs while the requests are in flight (the torch e
 decoding for it). The server's resident memory is read from /proc every 0.2 s throughout.
 
 Printed: the server's resident memory idle before, its peak under load, and after (all requests
-done, the step saved, 5 s idle), the after/before ratio against the 10% the backend should
-return to, the requests' aggregate tokens/s and the step's seconds; and the KV cache those
-requests need in the engine's precision, the part of the peak that grows with `--requests`.
+done, the step saved): 5 s later, when the finished turns' KV is still kept for a next turn, and
+once the engine has dropped it (`prefix_cache_idle_seconds`, 30 s by default, plus 5 s); the
+after/before ratio against the 10% the backend should return to, the requests' aggregate
+tokens/s and the step's seconds; and the KV cache those requests need in the engine's precision,
+the part of the peak that grows with `--requests`.
 
 Run from the repository root:
     PYTHONPATH=backend:. python benchmarks/bench_load.py [--requests 64] [--new-tokens 512] [--model DIR]
@@ -25,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from art_backend.config import BackendSettings
+from art_backend.config import PREFIX_CACHE_IDLE_SECONDS, BackendSettings
 from art_backend.model_store import resolve_model_dir
 from openai import AsyncOpenAI
 from process_memory import reset_peak, resident_mib
@@ -86,6 +88,8 @@ async def bench(args: argparse.Namespace) -> None:
         tokens = sum(await asyncio.gather(*requests))
         load_seconds = time.perf_counter() - started
         await asyncio.sleep(5)
+        kept, _ = resident_mib(backend.pid)
+        await asyncio.sleep(PREFIX_CACHE_IDLE_SECONDS)
         stop.set()
         await sampler
         after, peak = resident_mib(backend.pid)
@@ -96,7 +100,8 @@ async def bench(args: argparse.Namespace) -> None:
     print(f"\n{args.requests} concurrent requests x {args.new_tokens} new tokens, one GRPO step among them "
           f"(server resident memory, MiB)")
     rows = [("idle before", f"{before:.0f}"), ("peak under load", f"{peak:.0f}"),
-            ("after (5 s idle)", f"{after:.0f}"),
+            ("after, 5 s idle (turns' KV kept)", f"{kept:.0f} ({kept / before:.2f}x before)"),
+            (f"after, {PREFIX_CACHE_IDLE_SECONDS + 5:.0f} s idle (dropped)", f"{after:.0f}"),
             ("after / before", f"{after / before:.2f} (target <= {1 + RETURNED_SHARE:.2f})"),
             ("KV cache the requests need", f"{kv_mib:.0f}"),
             ("tokens/s, all requests", f"{tokens / load_seconds:.1f}"), ("the step, seconds", f"{step_seconds:.1f}")]

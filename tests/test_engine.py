@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -302,6 +303,23 @@ async def test_greedy_output_is_the_same_with_and_without_a_reused_prefix(embedd
     assert embedded_engine.tokenizer.decode(first["ids"], skip_special_tokens=True) == first["text"]
 
 
+async def test_the_prefix_store_is_dropped_once_no_request_has_come_for_a_while(
+        tiny_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    engine = TorchEngine(tiny_model_dir, prefix_cache_idle_seconds=0.5)
+    try:
+        request = GenerationRequest(_prompt(engine, "Name three colors."), SamplingParams(max_tokens=4, temperature=0))
+        await _run(engine, request)
+        assert await engine._on_worker(lambda: len(engine._prefixes)) == 1  # the finished turn, kept
+        with caplog.at_level(logging.INFO, logger="art_backend.engine.torch_engine"):
+            await asyncio.sleep(1.5)
+        assert await engine._on_worker(lambda: (len(engine._prefixes), engine._prefix_tokens)) == (0, 0)
+        assert "Dropped the 1 kept prefixes" in caplog.text
+        await _run(engine, request)  # and serving goes on, keeping turns again
+        assert await engine._on_worker(lambda: len(engine._prefixes)) == 1
+    finally:
+        await engine.close()
+
+
 async def test_concurrent_requests_share_decode_steps(embedded_engine: TorchEngine) -> None:
     embedded_engine.peak_batch_size = 0
     requests = [GenerationRequest(_prompt(embedded_engine, f"Say something about {i}."),
@@ -317,12 +335,14 @@ async def test_concurrent_requests_share_decode_steps(embedded_engine: TorchEngi
 
 def test_the_kv_cache_grows_by_a_step_of_tokens_keeping_what_it_held() -> None:
     cache = KVCache(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"), slots=2)
-    cache.k[:, 1, :, 5] = 7.0
+    for layer in cache.k:
+        layer[1, :, 5] = 7.0
     cache.reserve(slots=3, capacity=KV_GROWTH_TOKENS + 30)  # e.g. a 30-token prompt and 256 new tokens
     assert (cache.slots, cache.capacity) == (4, 2 * KV_GROWTH_TOKENS)  # slots double; tokens round up to the step
     cache.reserve(slots=3, capacity=2 * KV_GROWTH_TOKENS + 1)
     assert cache.capacity == 3 * KV_GROWTH_TOKENS  # doubling would have made it 1,024
-    assert bool((cache.k[:, 1, :, 5] == 7.0).all()) and float(cache.k.abs().sum()) == 7.0 * 2 * 4  # layers x head_dim
+    keys = torch.stack(cache.k)
+    assert bool((keys[:, 1, :, 5] == 7.0).all()) and float(keys.abs().sum()) == 7.0 * 2 * 4  # layers x head_dim
     cache.reserve(slots=1, capacity=10)  # never shrinks while in use
     assert (cache.slots, cache.capacity) == (4, 3 * KV_GROWTH_TOKENS)
 

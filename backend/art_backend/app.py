@@ -30,7 +30,7 @@ def choose_engine(requested: str) -> tuple[str, str]:
 
 
 # settings that one engine reads and the other does not
-_TORCH_ONLY = {"threads", "cpu_kernels", "prefix_cache_bytes"}
+_TORCH_ONLY = {"threads", "cpu_kernels", "prefix_cache_bytes", "prefix_cache_idle_seconds"}
 _VLLM_ONLY = {"gpu_memory_utilization", "kv_cache_memory_bytes", "max_loras", "max_cpu_loras", "max_lora_rank",
               "tensor_parallel_size", "data_parallel_size", "vllm_engine_args"}
 
@@ -62,8 +62,9 @@ def build_engine(settings: BackendSettings) -> Engine:
 
     return TorchEngine(model_dir, served_model_name=name, aliases=aliases,
                        max_model_len=settings.max_model_len, max_batch_size=settings.max_batch_size or 64,
-                       prefix_cache_bytes=settings.prefix_cache_bytes, threads=settings.threads, dtype=settings.dtype,
-                       cpu_kernels=settings.cpu_kernels)
+                       prefix_cache_bytes=settings.prefix_cache_bytes,
+                       prefix_cache_idle_seconds=settings.prefix_cache_idle_seconds, threads=settings.threads,
+                       dtype=settings.dtype, cpu_kernels=settings.cpu_kernels)
 
 
 def build_app(settings: BackendSettings) -> FastAPI:

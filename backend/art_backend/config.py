@@ -13,6 +13,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # last turns of SmolLM2, 46 KB a token in fp32); at 1 GiB it held stale adapters' turns and the job
 # peaked 0.74 GB higher, with the same scores and no faster (docs/benchmarks.md, Memory).
 PREFIX_CACHE_BYTES = 256 << 20
+# ...and how long it outlives the last request: a laptop gets that memory back once serving stops,
+# while a rollout's next turn (after a tool call, a reward, a training step) still finds it.
+PREFIX_CACHE_IDLE_SECONDS = 30.0
 
 
 def default_cache_dir() -> Path:
@@ -74,6 +77,9 @@ class BackendSettings(BaseSettings):
     prefix_cache_bytes: int = Field(
         default=PREFIX_CACHE_BYTES, ge=0, description="torch engine: memory for the KV of finished turns kept for "
         "reuse by the next turn or the group's other rollouts (least recently used out).")
+    prefix_cache_idle_seconds: float = Field(
+        default=PREFIX_CACHE_IDLE_SECONDS, ge=0, description="torch engine: after this many seconds with no request, "
+        "the kept KV of finished turns is dropped and its memory returned (inf: kept until pushed out).")
     max_request_bytes: int = Field(
         default=64 << 20, ge=1024, description="The largest request body taken (a training step's groups included); "
         "larger ones are refused with a 413.")

@@ -14,6 +14,7 @@ import concurrent.futures
 import functools
 import json
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -29,7 +30,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from art_backend.chat_format import ChatFormatter
-from art_backend.config import PREFIX_CACHE_BYTES
+from art_backend.config import PREFIX_CACHE_BYTES, PREFIX_CACHE_IDLE_SECONDS
 from art_backend.engine.base import (
     ContextLengthError,
     GenerationRequest,
@@ -111,10 +112,13 @@ class TorchEngine:
 
     def __init__(self, model_dir: Path, served_model_name: str | None = None, aliases: Sequence[str] = (),
                  max_model_len: int | None = None, max_batch_size: int = 64,
-                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES, threads: int | None = None,
+                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
+                 prefix_cache_idle_seconds: float = PREFIX_CACHE_IDLE_SECONDS, threads: int | None = None,
                  dtype: str = "float32", cpu_kernels: bool = True) -> None:
-        """`dtype`: the serving forward's weights and matmuls (see `LeanLlama`); on GPU always
-        the model's bfloat16. `cpu_kernels`: decode with the fused kernels of `cpu_kernels.cpp`."""
+        """`prefix_cache_bytes`, `prefix_cache_idle_seconds`: the store of finished turns' KV, and
+        how long it is kept once no request is left (inf: until pushed out). `dtype`: the serving
+        forward's weights and matmuls (see `LeanLlama`); on GPU always the model's bfloat16.
+        `cpu_kernels`: decode with the fused kernels of `cpu_kernels.cpp`."""
         return_freed_memory_to_os()  # else the process keeps its peak after each step (host_memory.py)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -132,6 +136,7 @@ class TorchEngine:
         self._prefixes: OrderedDict[tuple[int, ...], _PrefixEntry] = OrderedDict()
         self._prefix_tokens = 0
         self._prefix_cache_bytes = prefix_cache_bytes
+        self._prefix_idle_seconds = prefix_cache_idle_seconds
         self._wake = threading.Condition()
         self._closed = False
         # All of the engine's torch work runs on this one thread, loading included: GNU OpenMP
@@ -164,8 +169,7 @@ class TorchEngine:
         # merged float32 copy (embedded model, 16 rows: 439 against 331 tok/s)
         self._merge_adapters = self.lean.weights_dtype == torch.float32 and not self.lean.grouped_matrices
         self._cache = self.lean.new_cache()
-        k = self._cache.k  # [layers, slots, kv_heads, capacity, head_dim]; v alike
-        self._prefix_budget = self._prefix_cache_bytes // (2 * k.shape[0] * k.shape[2] * k.shape[4] * k.element_size())
+        self._prefix_budget = self._prefix_cache_bytes // self._cache.bytes_per_token
         logger.info("Loaded %s in %.1f s on %s (serving weights %s, %s)", model_dir, time.perf_counter() - started,
                     self.device, self.lean.weights_layout(), "fused decode kernels" if self.lean.kernels is not None
                     else "eager decode ops")
@@ -332,7 +336,8 @@ class TorchEngine:
         while True:
             with self._wake:
                 while not self._closed and not self._waiting and not self._active and not self._jobs:
-                    self._wake.wait()
+                    if not self._wake.wait(self._idle_wait()):
+                        self._forget_prefixes()
                 if self._closed:
                     break
             self._run_jobs()
@@ -347,6 +352,17 @@ class TorchEngine:
                 self._fail_active(error)
         for seq in self._active:
             self._send(seq.request, RuntimeError("The engine was closed."))
+
+    def _idle_wait(self) -> float | None:
+        """How long the idle worker waits before dropping the prefix store (None: for the next request)."""
+        return None if not self._prefixes or math.isinf(self._prefix_idle_seconds) else self._prefix_idle_seconds
+
+    def _forget_prefixes(self) -> None:
+        logger.info("Dropped the %d kept prefixes (%.0f MiB of KV) after %.0f s without a request",
+                    len(self._prefixes), self._prefix_tokens * self._cache.bytes_per_token / 2**20,
+                    self._prefix_idle_seconds)
+        self._prefixes.clear()
+        self._prefix_tokens = 0
 
     def _run_jobs(self) -> None:
         while self._jobs:
