@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -91,11 +92,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_llama_server(binary: Path, gguf: Path, threads: int, slots: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_llama_server(binary: Path, gguf: Path, threads: int, slots: int, log: Path,
+                       extra: list[str]) -> tuple[subprocess.Popen, str]:
     """llama-server on a free loopback port, once its /health answers; (process, base URL)."""
     port = free_port()
     command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads),
-               "--threads-batch", str(threads), "--parallel", str(slots), "--ctx-size", str(slots * 512)]
+               "--threads-batch", str(threads), "--parallel", str(slots), "--ctx-size", str(slots * 512), *extra]
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -112,13 +114,15 @@ def start_llama_server(binary: Path, gguf: Path, threads: int, slots: int, log: 
     sys.exit(f"llama-server did not answer /health within 120 s; its log: {log}")
 
 
-def bench(binary: Path, levels: list[int], new_tokens: int, repeats: int, threads: int) -> list[dict[str, Any]]:
+def bench(binary: Path, levels: list[int], new_tokens: int, repeats: int, threads: int,
+          llama_args: list[str]) -> list[dict[str, Any]]:
     logs = Path(tempfile.mkdtemp(prefix="bench-llamacpp-"))
     os.environ["OMP_NUM_THREADS"] = str(threads)  # read by the backend's process when it starts
     model_dir = resolve_model_dir(None, BackendSettings().cache_dir)  # the GGUF converted, as the backend loads it
     backend = LocalBackend(in_process=False, model=str(model_dir), art_dir=str(logs / "art"),
                            log_file=str(logs / "backend.log"))
-    llama, llama_url = start_llama_server(binary, embedded_gguf_path(), threads, max(levels), logs / "llama-server.log")
+    llama, llama_url = start_llama_server(binary, embedded_gguf_path(), threads, max(levels), logs / "llama-server.log",
+                                          llama_args)
     print(f"Backend on {backend.base_url}, llama-server on {llama_url}; logs in {logs}", flush=True)
     servers = {"backend": (backend.pid, AsyncOpenAI(base_url=f"{backend.base_url}/v1", api_key="unused",
                                                     max_retries=0, timeout=1800.0)),
@@ -165,16 +169,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for both servers")
     parser.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary (default: built "
                         "once from llama-cpp-python's sdist into the backend's cache dir)")
+    parser.add_argument("--llama-args", default="", help="more llama-server arguments, e.g. '--no-repack' where "
+                        "its AMX matmul crashes (seen on a Sapphire Rapids VM: SIGSEGV in ggml_backend_amx_mul_mat)")
     args = parser.parse_args()
     if args.model is not None:
         parser.error("--model: llama.cpp serves the embedded model's GGUF file; this benchmark compares that model only")
     levels = [int(n) for n in args.concurrency.split(",")]
     binary = args.llama_server or build_llama_server(BackendSettings().cache_dir)
     print(f"The embedded model ({embedded_gguf_path().name}); concurrency {levels}; {args.new_tokens} new tokens; "
-          f"{args.repeats} repeat(s); {args.threads} threads each; {os.cpu_count()} CPUs, load average "
+          f"{args.repeats} repeat(s); {args.threads} threads each; llama-server args {args.llama_args or 'none'}; "
+          f"{os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.2f} (other load skews these timings)", flush=True)
     started = time.perf_counter()
-    rows = bench(binary, levels, args.new_tokens, args.repeats, args.threads)
+    rows = bench(binary, levels, args.new_tokens, args.repeats, args.threads, shlex.split(args.llama_args))
     print_aligned(("concurrency", "backend tok/s", "llama.cpp tok/s", "backend / llama.cpp", "backend peak MiB",
                    "llama.cpp peak MiB"),
                   [(f"{row['concurrency']}", f"{row['backend_tok_s']:.1f}", f"{row['llama.cpp_tok_s']:.1f}",
