@@ -96,7 +96,7 @@ def test_exact_integer_groups_are_found_and_multiply_as_the_float32_weights(embe
         codes = groups.codes.transpose(1, 2).reshape(weight.shape[0], -1).long()
         if bits == 4:
             codes = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(weight.shape)
-        scales, offsets = (t.transpose(1, 2).reshape(weight.shape[0], -1, 1) for t in (groups.scales, groups.offsets))
+        scales, offsets = (t.float().transpose(1, 2).reshape(weight.shape[0], -1, 1) for t in (groups.scales, groups.offsets))
         rebuilt = (codes.reshape(weight.shape[0], -1, 32) * scales + offsets).reshape(weight.shape)
         assert torch.equal(rebuilt, weight)
         torch.manual_seed(0)

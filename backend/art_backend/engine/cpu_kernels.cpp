@@ -254,6 +254,19 @@ inline void to_float(u8x16 codes, f32xL* out) {
 #endif
 }
 
+// 16 half floats -> kParts vectors of floats (F16C's conversion, in every AVX2 and AVX-512 CPU)
+inline void halves_to_float(const uint16_t* halves, f32xL* out) {
+#ifdef __AVX512F__
+  out[0] = reinterpret_cast<f32xL>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves))));
+#elif defined(__AVX2__)
+  for (int p = 0; p < kParts; ++p)
+    out[p] = reinterpret_cast<f32xL>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + 8 * p))));
+#else
+  for (int p = 0; p < kParts; ++p)
+    for (int l = 0; l < kLanes; ++l) out[p][l] = static_cast<float>(c10::Half(halves[p * kLanes + l], c10::Half::from_bits()));
+#endif
+}
+
 // acc[r] += x[r] * (s * q + m) for the ROWS rows of one input (xt: inputs transposed, [in, ROWS])
 template <int ROWS>
 inline void accumulate(f32xL (*acc)[kParts], const float* x, u8x16 codes, const f32xL* s, const f32xL* m) {
@@ -269,7 +282,7 @@ inline void accumulate(f32xL (*acc)[kParts], const float* x, u8x16 codes, const 
 // are (a row's result does not depend on the rows or tiles beside it). A chain waits for its
 // previous add, so a row alone keeps the CPU busy only with several tiles' chains side by side.
 template <int ROWS, int BITS, int TILES>
-inline void group_tile(const float* xt, const uint8_t* codes, const float* scales, const float* offsets,
+inline void group_tile(const float* xt, const uint8_t* codes, const uint16_t* scales, const uint16_t* offsets,
                        int64_t in, float* out, int64_t out_stride) {
   const int64_t code_stride = in * BITS * 2, group_stride = in / 32 * 16;  // from one tile to the next
   f32xL acc[TILES][ROWS][kParts];
@@ -279,8 +292,8 @@ inline void group_tile(const float* xt, const uint8_t* codes, const float* scale
   for (int64_t g = 0; g < in / 32; ++g) {
     f32xL s[TILES][kParts], m[TILES][kParts];
     for (int t = 0; t < TILES; ++t) {
-      std::memcpy(s[t], scales + t * group_stride + g * 16, sizeof s[t]);
-      std::memcpy(m[t], offsets + t * group_stride + g * 16, sizeof m[t]);
+      halves_to_float(scales + t * group_stride + g * 16, s[t]);
+      halves_to_float(offsets + t * group_stride + g * 16, m[t]);
     }
     for (int i = 0; i < 32; i += 8 / BITS) {  // one 16-byte load: 2 inputs in 4 bits, 1 in 8
       const float* x = xt + (g * 32 + i) * ROWS;
@@ -317,7 +330,7 @@ constexpr int tiles_at_once(int rows) { return rows <= 2 ? 2 : 1; }
 
 // Tiles [t, tiles) of a run, AT_ONCE at a time while that many are left; returns the first not done.
 template <int ROWS, int BITS, int AT_ONCE>
-int tiles_by(int t, int tiles, const float* xt, const uint8_t* codes, const float* scales, const float* offsets,
+int tiles_by(int t, int tiles, const float* xt, const uint8_t* codes, const uint16_t* scales, const uint16_t* offsets,
              int64_t in, float* out, int64_t out_stride) {
   const int64_t code_stride = in * BITS * 2, group_stride = in / 32 * 16;
   for (; t + AT_ONCE <= tiles; t += AT_ONCE)
@@ -329,7 +342,7 @@ int tiles_by(int t, int tiles, const float* xt, const uint8_t* codes, const floa
 // `tiles` adjacent tiles (at most kTileRun) of a block of ROWS rows; a thread's last tiles, fewer
 // than a run, go by halves
 template <int ROWS, int BITS>
-void tile_run(int tiles, const float* xt, const uint8_t* codes, const float* scales, const float* offsets,
+void tile_run(int tiles, const float* xt, const uint8_t* codes, const uint16_t* scales, const uint16_t* offsets,
               int64_t in, float* out, int64_t out_stride) {
   constexpr int at_once = tiles_at_once(ROWS);
   int t = tiles_by<ROWS, BITS, at_once>(0, tiles, xt, codes, scales, offsets, in, out, out_stride);
@@ -338,8 +351,8 @@ void tile_run(int tiles, const float* xt, const uint8_t* codes, const float* sca
 }
 
 template <int BITS>
-void group_rows(int size, int tiles, const float* xt, const uint8_t* codes, const float* scales,
-                const float* offsets, int64_t in, float* out, int64_t out_stride) {
+void group_rows(int size, int tiles, const float* xt, const uint8_t* codes, const uint16_t* scales,
+                const uint16_t* offsets, int64_t in, float* out, int64_t out_stride) {
   switch (size) {
     case 16: return tile_run<16, BITS>(tiles, xt, codes, scales, offsets, in, out, out_stride);
     case 8: return tile_run<8, BITS>(tiles, xt, codes, scales, offsets, in, out, out_stride);
@@ -351,7 +364,9 @@ void group_rows(int size, int tiles, const float* xt, const uint8_t* codes, cons
 
 at::Tensor linear_groups(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                          const at::Tensor& offsets, const std::optional<at::Tensor>& bias, int64_t bits) {
-  check_float({&x, &scales, &offsets}, "linear_groups");
+  check_float({&x}, "linear_groups");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && offsets.scalar_type() == at::kHalf,
+              "linear_groups: scales and offsets must be float16");
   TORCH_CHECK(bits == 4 || bits == 8, "linear_groups: bits must be 4 or 8");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 16 && codes.is_contiguous(),
               "linear_groups: codes must be contiguous uint8 [tiles, in * bits / 8, 16]");
@@ -379,7 +394,8 @@ at::Tensor linear_groups(const at::Tensor& x, const at::Tensor& codes, const at:
     for (int r = 0; r < size; ++r)
       for (int64_t i = 0; i < in; ++i) xt[first * in + i * size + r] = x_p[(first + r) * in + i];
   const uint8_t* codes_p = codes.data_ptr<uint8_t>();
-  const float *scales_p = scales.data_ptr<float>(), *offsets_p = offsets.data_ptr<float>();
+  const auto *scales_p = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+             *offsets_p = reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::Half>());
   float* out_p = out.data_ptr<float>();
   // a full block's accumulators take all the registers: then a tile at a time, each read from
   // L1 by every block in turn (a run of tiles per block was ~5% slower at 16 and 32 rows)
@@ -388,7 +404,7 @@ at::Tensor linear_groups(const at::Tensor& x, const at::Tensor& codes, const at:
     for (int64_t t = begin; t < end; t += run_length) {
       const int run = static_cast<int>(std::min(run_length, end - t));
       const uint8_t* tile_codes = codes_p + t * codes.size(1) * 16;
-      const float *tile_scales = scales_p + t * (in / 32) * 16, *tile_offsets = offsets_p + t * (in / 32) * 16;
+      const uint16_t *tile_scales = scales_p + t * (in / 32) * 16, *tile_offsets = offsets_p + t * (in / 32) * 16;
       for (const auto& [first, size] : blocks) {
         const float* block_x = xt.data() + first * in;
         float* block_out = out_p + first * n + t * 16;
