@@ -17,7 +17,7 @@ resident memory over that concurrency's rounds. Targets: backend >= llama.cpp at
 >= 2x at 16.
 
 Run from the repository root:
-    make bench-llamacpp [ARGS="--concurrency 1,16 --new-tokens 128 --repeats 3 --threads 2"]
+    make bench-llamacpp [ARGS="--concurrency 1,16 --new-tokens 128 --repeats 3 --threads 2 --no-amx"]
 """
 
 from __future__ import annotations
@@ -53,11 +53,13 @@ from art_integrations import LocalBackend
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built
 TARGETS = {1: 1.0, 16: 2.0}  # concurrency: backend / llama.cpp at least
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # where ggml's AMX matmul crashes
 
 
-def build_llama_server(cache_dir: Path) -> Path:
-    """`llama-server` from llama-cpp-python's sdist, built once (static, CPU) into `cache_dir`."""
-    binary = cache_dir / "llama.cpp" / LLAMA_CPP_PYTHON / "llama-server"
+def build_llama_server(cache_dir: Path, amx: bool = True) -> Path:
+    """`llama-server` from llama-cpp-python's sdist, built once (static, CPU) into `cache_dir`; with
+    `amx=False` without ggml's AMX matmul (its own build, cached apart)."""
+    binary = cache_dir / "llama.cpp" / LLAMA_CPP_PYTHON / ("llama-server" if amx else "llama-server-no-amx")
     if binary.is_file():
         return binary
     for tool in ("cmake", "c++"):
@@ -76,7 +78,9 @@ def build_llama_server(cache_dir: Path) -> Path:
                         "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                         "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_APP=OFF",
                         # offline: no web UI fetched, no HTTPS
-                        "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF"],
+                        "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF",
+                        # explicit -mno-* flags win over the -march=native that ggml adds
+                        *([] if amx else [f"-DCMAKE_{lang}_FLAGS={NO_AMX}" for lang in ("C", "CXX")])],
                        check=True, stdout=subprocess.DEVNULL)
         subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 1)],
                        check=True, stdout=subprocess.DEVNULL)
@@ -169,15 +173,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for both servers")
     parser.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary (default: built "
                         "once from llama-cpp-python's sdist into the backend's cache dir)")
-    parser.add_argument("--llama-args", default="", help="more llama-server arguments, e.g. '--no-repack' where "
-                        "its AMX matmul crashes (seen on a Sapphire Rapids VM: SIGSEGV in ggml_backend_amx_mul_mat)")
+    parser.add_argument("--no-amx", action="store_true", help="build and run llama.cpp without ggml's AMX matmul, "
+                        "which crashed on a Sapphire Rapids VM (SIGSEGV in ggml_backend_amx_mul_mat)")
+    parser.add_argument("--llama-args", default="", help="more llama-server arguments, e.g. '--no-repack'")
     args = parser.parse_args()
     if args.model is not None:
         parser.error("--model: llama.cpp serves the embedded model's GGUF file; this benchmark compares that model only")
     levels = [int(n) for n in args.concurrency.split(",")]
-    binary = args.llama_server or build_llama_server(BackendSettings().cache_dir)
+    binary = args.llama_server or build_llama_server(BackendSettings().cache_dir, amx=not args.no_amx)
     print(f"The embedded model ({embedded_gguf_path().name}); concurrency {levels}; {args.new_tokens} new tokens; "
-          f"{args.repeats} repeat(s); {args.threads} threads each; llama-server args {args.llama_args or 'none'}; "
+          f"{args.repeats} repeat(s); {args.threads} threads each; llama-server {binary.name}, more args: "
+          f"{args.llama_args or 'none'}; "
           f"{os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.2f} (other load skews these timings)", flush=True)
     started = time.perf_counter()

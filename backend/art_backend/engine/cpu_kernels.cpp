@@ -218,11 +218,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // Q8_0, see exact_groups.py): along each output's inputs, every 32 weights share a scale s and an
 // offset m, and w = s * q + m with q an unsigned 4- or 8-bit code. 16 outputs form a tile: for
 // each input, its 16 codes sit side by side in `codes` [tiles, in * bits / 8, 16] (in 4 bits,
-// input 2p in the low nibbles and 2p + 1 in the high ones); `scales` and `offsets` are
-// [tiles, in / 32, 16]. Dequantizing is exact (s has 11 significant bits and q at most 8, so
-// s * q is exact in float32 and + m rounds once, as the weight did), so this is x W^T + b with the
-// float32 weights, reading 6 or 10 bits a weight instead of 32. Sums run over the inputs in
-// order, ~1e-6 from a BLAS's blocked order.
+// input 2p in the low nibbles and 2p + 1 in the high ones); `scales` and `offsets` are half
+// floats [tiles, in / 32, 16], as GGUF stores them. Dequantizing is exact (s has 11 significant
+// bits and q at most 8, so s * q is exact in float32 and + m rounds once, as the weight did), so
+// this is x W^T + b with the float32 weights, reading 5 or 9 bits a weight instead of 32. Sums run
+// over the inputs in order, ~1e-6 from a BLAS's blocked order.
 // A tile's 16 outputs are kParts vectors of kLanes floats: one 512-bit register with AVX-512,
 // two 256-bit ones with AVX2 (GCC splits a 64-byte vector on AVX2 through memory, ~5x slower).
 #ifdef __AVX512F__

@@ -26,7 +26,7 @@ so a seeded request draws the same tokens whichever requests share the engine wi
 torch ops stay for other devices and machines without a C++ compiler.
 Weights that are exactly small integers in groups, as the embedded model's GGUF weights are,
 are kept as such and multiplied by `linear_groups` (exact_groups.py): a 16-row step of the
-embedded model then reads ~120 MB of weights instead of ~540 MB, and takes ~0.6x the time.
+embedded model then reads ~100 MB of weights instead of ~540 MB, and takes ~0.6x the time.
 
 LoRA adapters are applied unmerged, per row: row b of a batch adds
 scale * (x A_b^T) B_b^T, where A_b, B_b belong to that row's adapter (on CPU, `lora_delta`: per
