@@ -74,6 +74,10 @@ class LoraWeights:
     source: Path | None = None  # the adapter directory it was read from
 
 
+# the adapters of a batch's rows: each with the rows it serves (None: all of them)
+AdapterRows = list[tuple[LoraWeights, Tensor | None]]
+
+
 # A batch-size hint for oneDNN's reorder: decode batches; other sizes run correctly too.
 _PACKED_FOR_ROWS = 16
 
@@ -330,18 +334,24 @@ class LeanLlama:
             return self.kernels.lora_delta(x, adapter.a[key], adapter.b_t[key])
         return (x @ adapter.a[key].T) @ adapter.b_t[key]
 
-    def _lora(self, x: Tensor, key: tuple[int, str], lora: list[LoraWeights | None]) -> Tensor | None:
-        """Per-row LoRA deltas for one fused projection (rows grouped by adapter), or None."""
-        groups: dict[int, tuple[LoraWeights, list[int]]] = {}
+    def _adapter_rows(self, lora: list[LoraWeights | None]) -> AdapterRows:
+        """Each adapter of `lora` (one entry per row) with its rows; None for the rows when it has
+        them all (a rollout step: no gather or scatter). Found once per forward, not per projection."""
+        rows: dict[int, tuple[LoraWeights, list[int]]] = {}
         for row, adapter in enumerate(lora):
-            if adapter is not None and key in adapter.a:
-                groups.setdefault(id(adapter), (adapter, []))[1].append(row)
-        if len(groups) == 1:
-            adapter, rows = next(iter(groups.values()))
-            if len(rows) == len(lora):  # one adapter for the whole batch (a rollout step): no gather/scatter
-                return self._delta(x, adapter, key)
+            if adapter is not None:
+                rows.setdefault(id(adapter), (adapter, []))[1].append(row)
+        return [(adapter, None if len(taken) == len(lora) else torch.tensor(taken, device=self.device))
+                for adapter, taken in rows.values()]
+
+    def _lora(self, x: Tensor, key: tuple[int, str], adapters: AdapterRows) -> Tensor | None:
+        """Per-row LoRA deltas for one fused projection, or None where no row's adapter has it."""
         delta = None
-        for adapter, rows in groups.values():
+        for adapter, rows in adapters:
+            if key not in adapter.a:
+                continue
+            if rows is None:
+                return self._delta(x, adapter, key)
             d = self._delta(x[rows], adapter, key)
             if delta is None:
                 delta = x.new_zeros(*x.shape[:-1], d.shape[-1])
@@ -349,9 +359,9 @@ class LeanLlama:
         return delta
 
     def _project(self, x: Tensor, linear: FrozenLinear, layer: int, projection: str,
-                 lora: list[LoraWeights | None] | None) -> Tensor:
+                 adapters: AdapterRows | None) -> Tensor:
         out = linear(x)
-        delta = None if lora is None else self._lora(x, (layer, projection), lora)
+        delta = None if adapters is None else self._lora(x, (layer, projection), adapters)
         return out if delta is None else out + delta
 
     @torch.no_grad()
@@ -371,10 +381,11 @@ class LeanLlama:
                 linears, lora = merged, None  # one merged adapter for the whole batch
         batch, steps = tokens.shape
         if self.kernels is not None:  # every token a row of the fused step
-            rows = None if lora is None else [adapter for adapter in lora for _ in range(steps)]
+            rows = None if lora is None else self._adapter_rows([adapter for adapter in lora for _ in range(steps)])
             hidden = self._decode_fused(tokens.reshape(-1), positions.reshape(-1),
                                         slots.repeat_interleave(steps), cache, linears, rows)
             return hidden.view(batch, steps, -1)
+        adapters = None if lora is None else self._adapter_rows(lora)
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B,T,1,hd]
         span = int(lengths.max())
@@ -386,7 +397,7 @@ class LeanLlama:
         heads = self.n_heads + self.n_kv
         for i, (norms, linear) in enumerate(zip(self.norms, linears)):
             h = self._rms(x, norms["ln1"])
-            qkv = self._project(h, linear["qkv"], i, "qkv", lora)
+            qkv = self._project(h, linear["qkv"], i, "qkv", adapters)
             qk = qkv[..., : self.q_size + self.kv_size].view(batch, steps, heads, self.head_dim)
             v = qkv[..., self.q_size + self.kv_size:].view(batch, steps, self.n_kv, self.head_dim)
             if norms["q_norm"] is not None:
@@ -402,14 +413,14 @@ class LeanLlama:
                 keys, values = cache.k[i][slots, :, :span], cache.v[i][slots, :, :span]
             att = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
             att = att.transpose(1, 2).reshape(batch, steps, self.q_size)
-            x = x + self._project(att, linear["o"], i, "o", lora)
+            x = x + self._project(att, linear["o"], i, "o", adapters)
             h = self._rms(x, norms["ln2"])
-            gate, up = self._project(h, linear["gate_up"], i, "gate_up", lora).chunk(2, dim=-1)
-            x = x + self._project(F.silu(gate) * up, linear["down"], i, "down", lora)
+            gate, up = self._project(h, linear["gate_up"], i, "gate_up", adapters).chunk(2, dim=-1)
+            x = x + self._project(F.silu(gate) * up, linear["down"], i, "down", adapters)
         return self._rms(x, self.norm)
 
     def _decode_fused(self, tokens: Tensor, positions: Tensor, slots: Tensor, cache: KVCache,
-                      linears: list[dict[str, FrozenLinear]], lora: list[LoraWeights | None] | None) -> Tensor:
+                      linears: list[dict[str, FrozenLinear]], adapters: AdapterRows | None) -> Tensor:
         """`forward` for one token per row (`tokens`, `positions`, `slots` [N]), in 6 ops per layer."""
         kernels, batch = self.kernels, tokens.shape[0]
         x = F.embedding(tokens, self.embed)  # the residual stream [B, hidden], updated in place
@@ -417,15 +428,15 @@ class LeanLlama:
         h = self._rms(x, self.norms[0]["ln1"])
         norms_after = [norms["ln1"] for norms in self.norms[1:]] + [self.norm]  # each layer's output norm
         for i, (norms, linear, norm_after) in enumerate(zip(self.norms, linears, norms_after)):
-            qkv = self._project(h, linear["qkv"], i, "qkv", lora).view(batch, -1, self.head_dim)
+            qkv = self._project(h, linear["qkv"], i, "qkv", adapters).view(batch, -1, self.head_dim)
             q, k, v = qkv.split_with_sizes((self.n_heads, self.n_kv, self.n_kv), dim=1)
             if norms["q_norm"] is not None:
                 q, k = self._rms(q, norms["q_norm"]), self._rms(k, norms["k_norm"])
             att = kernels.decode_attention(q, k, v, cos, sin, cache.k[i], cache.v[i], slots, positions)
-            h = kernels.add_rms_norm(x, self._project(att.view(batch, -1), linear["o"], i, "o", lora),
+            h = kernels.add_rms_norm(x, self._project(att.view(batch, -1), linear["o"], i, "o", adapters),
                                      norms["ln2"], self.eps)
-            up = kernels.silu_mul(self._project(h, linear["gate_up"], i, "gate_up", lora))
-            h = kernels.add_rms_norm(x, self._project(up, linear["down"], i, "down", lora), norm_after, self.eps)
+            up = kernels.silu_mul(self._project(h, linear["gate_up"], i, "gate_up", adapters))
+            h = kernels.add_rms_norm(x, self._project(up, linear["down"], i, "down", adapters), norm_after, self.eps)
         return h[:, None]
 
     @torch.no_grad()
