@@ -183,9 +183,8 @@ def main() -> None:
     binary = args.llama_server or build_llama_server(BackendSettings().cache_dir, amx=not args.no_amx)
     print(f"The embedded model ({embedded_gguf_path().name}); concurrency {levels}; {args.new_tokens} new tokens; "
           f"{args.repeats} repeat(s); {args.threads} threads each; llama-server {binary.name}, more args: "
-          f"{args.llama_args or 'none'}; "
-          f"{os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.2f} (other load skews these timings)", flush=True)
+          f"{args.llama_args or 'none'}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} "
+          "(other load skews these timings)", flush=True)
     started = time.perf_counter()
     rows = bench(binary, levels, args.new_tokens, args.repeats, args.threads, shlex.split(args.llama_args))
     print_aligned(("concurrency", "backend tok/s", "llama.cpp tok/s", "backend / llama.cpp", "backend peak MiB",

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from art_backend.config import PREFIX_CACHE_IDLE_SECONDS, BackendSettings
+from art_backend.config import BackendSettings
 from art_backend.model_store import resolve_model_dir
 from openai import AsyncOpenAI
 from process_memory import reset_peak, resident_mib
@@ -59,7 +61,12 @@ async def sample_memory(pid: int, samples: list[tuple[float, float]], stop: asyn
 
 async def bench(args: argparse.Namespace) -> None:
     log = tempfile.NamedTemporaryFile(prefix="bench-load-", suffix=".log", delete=False)  # noqa: SIM115 - kept for reading
-    model_dir = resolve_model_dir(args.model, BackendSettings().cache_dir)
+    settings = BackendSettings()  # as the server reads them, from the environment
+    idle_seconds = settings.prefix_cache_idle_seconds
+    if not math.isfinite(idle_seconds):
+        sys.exit("ART_BACKEND_PREFIX_CACHE_IDLE_SECONDS is inf: the server would never drop its kept prefixes, "
+                 "so there is no 'after' to measure; unset it or give a number of seconds.")
+    model_dir = resolve_model_dir(args.model, settings.cache_dir)
     backend = LocalBackend(in_process=False, model=str(model_dir), engine="torch", art_dir=tempfile.mkdtemp(),
                            log_file=log.name)
     print(f"server pid {backend.pid} on {backend.base_url}, log {log.name}", flush=True)
@@ -89,7 +96,7 @@ async def bench(args: argparse.Namespace) -> None:
         load_seconds = time.perf_counter() - started
         await asyncio.sleep(5)
         kept, _ = resident_mib(backend.pid)
-        await asyncio.sleep(PREFIX_CACHE_IDLE_SECONDS)
+        await asyncio.sleep(idle_seconds)
         stop.set()
         await sampler
         after, peak = resident_mib(backend.pid)
@@ -101,7 +108,7 @@ async def bench(args: argparse.Namespace) -> None:
           f"(server resident memory, MiB)")
     rows = [("idle before", f"{before:.0f}"), ("peak under load", f"{peak:.0f}"),
             ("after, 5 s idle (turns' KV kept)", f"{kept:.0f} ({kept / before:.2f}x before)"),
-            (f"after, {PREFIX_CACHE_IDLE_SECONDS + 5:.0f} s idle (dropped)", f"{after:.0f}"),
+            (f"after, {idle_seconds + 5:.0f} s idle (dropped)", f"{after:.0f}"),
             ("after / before", f"{after / before:.2f} (target <= {1 + RETURNED_SHARE:.2f})"),
             ("KV cache the requests need", f"{kv_mib:.0f}"),
             ("tokens/s, all requests", f"{tokens / load_seconds:.1f}"), ("the step, seconds", f"{step_seconds:.1f}")]

@@ -147,8 +147,8 @@ def sample(logits: Tensor, rows: list[RowSampling], allowed: Tensor | None = Non
         return Sampled(tokens.tolist(), chosen.tolist(), [[] for _ in rows])
     rest = _sample_eager(logits[eager], [rows[i] for i in eager], None if allowed is None else allowed[eager])
     out = Sampled([0] * len(rows), [0.0] * len(rows), [[] for _ in rows])
-    for j, i in enumerate(fused):
-        out.token_ids[i], out.logprobs[i] = int(tokens[j]), float(chosen[j])
+    for i, token, logprob in zip(fused, tokens.tolist(), chosen.tolist()):
+        out.token_ids[i], out.logprobs[i] = token, logprob
     for j, i in enumerate(eager):
         out.token_ids[i], out.logprobs[i], out.top[i] = rest.token_ids[j], rest.logprobs[j], rest.top[j]
     return out
