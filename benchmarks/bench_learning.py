@@ -97,6 +97,7 @@ def run_job(example: str, seed: int, engine: str, job_args: list[str], vllm_pyth
         if server is not None:
             server.terminate()
             server.wait(timeout=120)
+    (workdir / f"{engine}-s{seed}.log").write_text("\n".join(lines) + "\n")
     match = SUMMARY.search("\n".join(lines))
     if process.returncode != 0 or match is None:
         tail = "\n".join(lines[-60:])
@@ -137,6 +138,8 @@ def main() -> None:
     parser.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
                         help="the vLLM venv's python (make setup-vllm)")
     parser.add_argument("--target", type=float, default=0.3, help="the gain each seed should reach")
+    parser.add_argument("--keep", type=Path, default=None, help="keep every job's art directory (checkpoints, "
+                        "history, trajectories) under this folder instead of a temporary one")
     parser.add_argument("job_args", nargs=argparse.REMAINDER, help="after --: passed to every job")
     args = parser.parse_args()
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -148,10 +151,14 @@ def main() -> None:
         parser.error(f"--vllm-python {args.vllm_python} does not exist: `make setup-vllm` makes it")
     job_args = [a for a in args.job_args if a != "--"]
     runs = []
-    with tempfile.TemporaryDirectory(prefix="bench-learning-") as workdir:
+    if args.keep is not None and args.keep.exists() and any(args.keep.iterdir()):
+        parser.error(f"--keep {args.keep} is not empty: name a new folder, so no earlier run resumes")
+    with tempfile.TemporaryDirectory(prefix="bench-learning-") as temporary:
+        workdir = args.keep.resolve() if args.keep is not None else Path(temporary)
+        workdir.mkdir(parents=True, exist_ok=True)
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             for engine in engines:
-                runs.append(run_job(args.example, seed, engine, job_args, args.vllm_python, Path(workdir)))
+                runs.append(run_job(args.example, seed, engine, job_args, args.vllm_python, workdir))
     print_table(runs, engines, args.target)
 
 
