@@ -209,6 +209,33 @@ def test_the_longest_remembered_turn_wins(smol_tokenizer: Any) -> None:
     assert store.tokenize("get_time weather") == ids_of(smol_tokenizer, "get_time weather")  # nothing starts it
 
 
+def test_rollouts_that_wrote_one_text_each_continue_their_own_ids(smol_tokenizer: Any) -> None:
+    """Two rollouts of a group made the same tool call with other splits: each one's next prompt
+    carries its call's id back and goes on from its own ids, and a prompt without one gets the same
+    turn whichever rollout finished last (the timing once decided it, and a seeded run parted)."""
+    first = ids_of(smol_tokenizer, "<|im_start|>", "get_t", "ime<|im_end|>")
+    second = ids_of(smol_tokenizer, "<|im_start|>", "get_", "time<|im_end|>")
+    assert first != second and smol_tokenizer.decode(first) == smol_tokenizer.decode(second)
+    text = "<|im_start|>get_time<|im_end|>\n4:30"
+    rest = ids_of(smol_tokenizer, "\n4:30")
+
+    def store_of(*finished: tuple[list[int], str]) -> TokenContinuations:
+        store = TokenContinuations(smol_tokenizer)
+        for ids, call in finished:
+            store.remember(ids[:1], ids[1:], [call])
+        return store
+
+    in_order, reversed_order = store_of((first, "call_a"), (second, "call_b")), store_of((second, "call_b"),
+                                                                                       (first, "call_a"))
+    for store in (in_order, reversed_order):
+        assert len(store) == 2
+        assert store.tokenize(text, {"call_a"}) == first + rest
+        assert store.tokenize(text, {"call_b", "call_older"}) == second + rest
+        assert store.tokenize(text) == store.tokenize(text, {"call_unknown"}) == min(first, second) + rest
+    in_order.remember(first[:1], first[1:], ["call_a"])  # the same turn again adds nothing
+    assert len(in_order) == 2 and in_order.bytes_held == reversed_order.bytes_held
+
+
 def test_the_byte_budget_evicts_the_least_recently_used_turn(smol_tokenizer: Any) -> None:
     turns = {city: ids_of(smol_tokenizer, "<|im_start|>", city[:2], city[2:]) for city in ("Paris", "Rome", "Oslo")}
     sizes = {city: turn_bytes(f"<|im_start|>{city}", array("i", ids)) for city, ids in turns.items()}

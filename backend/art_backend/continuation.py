@@ -17,6 +17,12 @@ not decode to exactly the rendered text falls back to plain tokenization, so con
 change how a prompt is split, never what it says. Turns are the same for every adapter of one
 base model (one tokenizer), so the model name plays no part.
 
+Rollouts of one group often write the same reply with other ids (a grammar-forced tool call is
+spelt by sampled splits): one text, several turns. A prompt then continues the turn whose tool
+calls it carries back (the ids of the calls the server made for that choice), so each rollout
+goes on from its own tokens; without such a call, the turn with the smallest ids, so which one is
+never decided by which rollout happened to finish last (a seeded run repeats).
+
 Used by `server.ChatService`: `tokenize` where it builds a request's prompt ids, `remember`
 when a choice finishes.
 """
@@ -28,7 +34,8 @@ import sys
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from art_backend.chat_format import encode_prompt
@@ -45,22 +52,29 @@ def turn_bytes(text: str, ids: array[int]) -> int:
     return ids.itemsize * len(ids) + sys.getsizeof(text)
 
 
+@dataclass(frozen=True)
+class _Turn:
+    ids: array[int]
+    call_ids: frozenset[str]  # the tool calls the server made in this choice
+
+
 class TokenContinuations:
     """Recent turns (prompt + completion) by their text, for prompts that continue them.
 
-    Bounded by the bytes held (least recently used turns go first); safe to call from several
+    Bounded by the bytes held (least recently used texts go first); safe to call from several
     threads.
     """
 
     def __init__(self, tokenizer: Any, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
         self._tokenizer = tokenizer
         self.budget_bytes = budget_bytes
-        self._turns: OrderedDict[str, array[int]] = OrderedDict()  # text -> the ids it was made of
+        # text -> its turns by their ids' bytes (one text, several splits: see the module's docstring)
+        self._turns: OrderedDict[str, dict[bytes, _Turn]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._turns)
+        return sum(len(turns) for turns in self._turns.values())
 
     @property
     def bytes_held(self) -> int:
@@ -70,8 +84,9 @@ class TokenContinuations:
         """Exactly the text `ids` stand for: special tokens kept, no clean-up of spaces."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def remember(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> None:
-        """Keep a finished choice, so a prompt that replays it continues its exact ids."""
+    def remember(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], call_ids: Iterable[str] = ()) -> None:
+        """Keep a finished choice, so a prompt that replays it continues its exact ids; `call_ids`:
+        the ids of the tool calls the choice made, which a prompt continuing it carries back."""
         ids = array("i", prompt_ids)
         ids.extend(completion_ids)
         if not completion_ids or ids.itemsize * len(ids) > self.budget_bytes:
@@ -80,21 +95,24 @@ class TokenContinuations:
         size = turn_bytes(text, ids)
         if size > self.budget_bytes:
             return
+        key = ids.tobytes()
         with self._lock:
-            # Same text, other ids (two samples that split one reply differently): keep the latest.
-            previous = self._turns.pop(text, None)
-            self._bytes -= turn_bytes(text, previous) if previous is not None else 0
-            self._turns[text] = ids
+            turns = self._turns.pop(text, {})
+            previous = turns.pop(key, None)
+            self._bytes -= size if previous is not None else 0
+            turns[key] = _Turn(ids, frozenset(call_ids))
+            self._turns[text] = turns
             self._bytes += size
             while self._bytes > self.budget_bytes:
                 evicted_text, evicted = self._turns.popitem(last=False)
-                self._bytes -= turn_bytes(evicted_text, evicted)
+                self._bytes -= sum(turn_bytes(evicted_text, turn.ids) for turn in evicted.values())
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, call_ids: Collection[str] = ()) -> list[int]:
         """`text`'s prompt ids: a remembered turn's exact ids for the longest part of `text` that
-        replays one, then the plain tokenization of the rest; all of it plain if none matches or
-        the result would not decode to `text`."""
-        match = self._longest_turn_in(text)
+        replays one (of several with that text, the one whose tool calls are among `call_ids`),
+        then the plain tokenization of the rest; all of it plain if none matches or the result
+        would not decode to `text`."""
+        match = self._longest_turn_in(text, call_ids)
         if match is None:
             return encode_prompt(self._tokenizer, text)
         turn_text, turn_ids = match
@@ -104,7 +122,7 @@ class TokenContinuations:
             return encode_prompt(self._tokenizer, text)
         return ids
 
-    def _longest_turn_in(self, text: str) -> tuple[str, array[int]] | None:
+    def _longest_turn_in(self, text: str, call_ids: Collection[str]) -> tuple[str, array[int]] | None:
         with self._lock:
             best: str | None = None
             for turn_text in self._turns:
@@ -117,4 +135,6 @@ class TokenContinuations:
             if best is None:
                 return None
             self._turns.move_to_end(best)
-            return best, self._turns[best]
+            turns = self._turns[best].values()
+            own = [turn for turn in turns if turn.call_ids and turn.call_ids <= set(call_ids)]
+            return best, min(own or turns, key=lambda turn: turn.ids.tolist()).ids

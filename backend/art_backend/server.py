@@ -166,8 +166,11 @@ class ChatService:
         text = prompt.text
         if len(text) > self.engine.max_model_len * self._longest_token:
             raise ContextLengthError.text_over(self.engine.max_model_len, len(text))
-        # A prompt that replays an earlier turn keeps that turn's exact ids (see continuation.py).
-        prompt_ids = self.continuations.tokenize(text)
+        # A prompt that replays an earlier turn keeps that turn's exact ids (see continuation.py);
+        # the tool calls it carries back tell which turn, where several wrote the same text.
+        call_ids = {call["id"] for m in messages if m.get("role") == "assistant"
+                    for call in m.get("tool_calls") or () if isinstance(call.get("id"), str)}
+        prompt_ids = self.continuations.tokenize(text, call_ids)
         grammar = self._grammar(body, tools, tool_choice, prompt)
         parse_tools = bool(tools) and body.tool_choice != "none"
         used = len(prompt_ids)
@@ -213,10 +216,11 @@ class ChatService:
             return json_grammar(body.response_format.model_dump(by_alias=True))
         return None
 
-    def _finished(self, prompt_ids: list[int], choice: _Choice) -> None:
-        """A complete choice (not an aborted one) can be continued by the next turn's prompt."""
+    def _finished(self, prompt_ids: list[int], choice: _Choice, tool_calls: list[dict[str, Any]]) -> None:
+        """A complete choice (not an aborted one) can be continued by the next turn's prompt, which
+        carries back the ids of the tool calls it made."""
         if choice.finish_reason in ("stop", "length"):
-            self.continuations.remember(prompt_ids, choice.token_ids)
+            self.continuations.remember(prompt_ids, choice.token_ids, [call["id"] for call in tool_calls])
 
     # ----- response pieces --------------------------------------------------------------
 
@@ -253,7 +257,6 @@ class ChatService:
         out_choices = []
         response_id = completion_id()
         for choice in choices:
-            self._finished(generation.prompt_ids, choice)
             parsed = self.formatter.parse(choice.text, prepared.prompt, prepared.tools)
             message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
             entry: dict[str, Any] = {"index": choice.index, "message": message}
@@ -261,6 +264,7 @@ class ChatService:
                 message["reasoning_content"] = message["reasoning"] = parsed.reasoning
             if parsed.tool_calls:
                 message["tool_calls"] = self._tool_calls(parsed)
+            self._finished(generation.prompt_ids, choice, message.get("tool_calls", []))
             if parsed.parse_error:
                 entry["tool_call_parse_error"] = parsed.parse_error
             entry["logprobs"] = self._logprobs(choice.logprobs) if body.logprobs else None
@@ -310,10 +314,11 @@ class ChatService:
                 choice.logprobs += delta.logprobs
                 if delta.finish_reason is not None:
                     choice.finish_reason = delta.finish_reason
-                    self._finished(generation.prompt_ids, choice)
+                    finish = self._stream_finish(delta, filters[delta.index], choice_id)
+                    self._finished(generation.prompt_ids, choice, finish["delta"].get("tool_calls", []))
                     if choice_id is not None:
                         self.records.add(choice_id, body.model, generation.prompt_ids, choice)
-                    yield chunk([self._stream_finish(delta, filters[delta.index], choice_id)])
+                    yield chunk([finish])
         except Exception as error:  # headers are sent: report in-band, as vLLM does
             logger.exception("Generation failed mid-stream")
             yield f"data: {json.dumps(error_body(str(error), 'InternalServerError', code=500))}\n\n"
