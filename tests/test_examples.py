@@ -12,7 +12,7 @@ import pytest
 from art_backend.engine.torch_engine import TorchEngine
 from art_backend.server import create_app
 from art_backend.training.service import TrainingService
-from examples.city_facts.task import Scenario, score
+from examples.city_facts.task import QUESTIONS, Scenario, scenarios, score
 from examples.runner import Policy, no_signal_note, rollout_seed
 from tests.conftest import ServerThread, run_example
 
@@ -42,15 +42,39 @@ def test_city_facts_main_job_runs_a_step_and_resumes(tmp_path: Path, tiny_engine
 
 
 def test_city_facts_reward_credits_the_fact_in_plain_words_only() -> None:
-    oslo = Scenario("t", "What time is it in Oslo?", "get_local_time", "Oslo")
+    oslo = Scenario("t", "What time is it in Oslo?", "get_local_time", "Oslo", ("time",))
     assert oslo.answer == "6:50"
     call = [("get_local_time", {"city": "Oslo"})]
-    assert score(oslo, call, "It is 6:50 in Oslo.") == {"right_tool": 1.0, "right_city": 1.0, "has_number": 1.0,
+    assert score(oslo, call, "It is 6:50 in Oslo.") == {"right_tool": 1.0, "right_city": 1.0, "has_fact": 1.0,
                                                         "plain": 1.0, "reward": pytest.approx(1.0)}
-    assert score(oslo, call, "<tool_response>\n6:50\n</tool_response>")["reward"] == pytest.approx(0.6)  # echoed
-    # dropping the markup along with the fact earns nothing over the lookup itself
+    echoed = score(oslo, call, "<tool_response>\n6:50\n</tool_response>")
+    assert echoed["has_fact"] == 1.0 and echoed["reward"] == pytest.approx(0.4)  # no more than the lookup itself
+    # and dropping the markup along with the fact earns nothing over it either
     assert score(oslo, call, "You can use the get_local_time function.")["reward"] == pytest.approx(0.4)
     assert score(oslo, [("get_weather", {"city": "Rome"})], "")["reward"] == 0.0
+
+
+def test_city_facts_reward_wants_the_part_of_the_fact_the_question_asks_for() -> None:
+    bern = [("get_weather", {"city": "Bern"})]
+    like, raining, warm = (next(s for s in scenarios("val", 54) if s.question == q.format(city="Bern"))
+                           for q in QUESTIONS["get_weather"])
+    assert raining.answer == "3 C, cloudy"
+    assert score(raining, bern, "No, it is cloudy in Bern.")["reward"] == pytest.approx(1.0)
+    assert score(raining, bern, "It is 3 degrees in Bern.")["reward"] == pytest.approx(0.4)  # not what was asked
+    assert score(warm, bern, "It is 3 degrees in Bern.")["reward"] == pytest.approx(1.0)
+    assert score(warm, bern, "It is cloudy in Bern.")["reward"] == pytest.approx(0.4)
+    assert score(like, bern, "Cloudy.")["reward"] == score(like, bern, "3 C.")["reward"] == pytest.approx(1.0)
+    rainy = Scenario("t", "Is it raining in Oslo right now?", "get_weather", "Oslo", ("sky",))
+    assert rainy.answer.endswith("rainy") and rainy.answered_by("Yes, it is raining in Oslo.")
+
+
+def test_city_facts_scenarios_take_the_tools_in_turn_and_repeat_none() -> None:
+    held_out = scenarios("val", 12)
+    assert [s.tool for s in held_out] == sorted(QUESTIONS) * 4  # each step of three trains every tool
+    assert len({s.question for s in held_out}) == 12
+    train = scenarios("train", 24, seed=3)
+    assert len({s.question for s in train}) == 24 and not {s.city for s in train} & {s.city for s in held_out}
+    assert scenarios("train", 24, seed=3) == train != scenarios("train", 24, seed=4)
 
 
 def test_a_seed_repeats_the_run_token_for_token(tmp_path: Path) -> None:

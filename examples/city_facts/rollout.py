@@ -28,6 +28,6 @@ EXAMPLE = Example(
     title="city-facts agent",
     scenarios=scenarios,
     rollout=rollout,
-    metrics=("right_tool", "right_city", "has_number", "plain"),
+    metrics=("right_tool", "right_city", "has_fact", "plain"),
     temperature=0.7,
 )
