@@ -234,6 +234,11 @@ def test_rollouts_that_wrote_one_text_each_continue_their_own_ids(smol_tokenizer
         assert store.tokenize(text) == store.tokenize(text, {"call_unknown"}) == min(first, second) + rest
     in_order.remember(first[:1], first[1:], ["call_a"])  # the same turn again adds nothing
     assert len(in_order) == 2 and in_order.bytes_held == reversed_order.bytes_held
+    # a third rollout drew the very ids of the first: both go on from them, the second from its own
+    in_order.remember(first[:1], first[1:], ["call_c"])
+    assert len(in_order) == 2 and in_order.bytes_held == reversed_order.bytes_held
+    assert in_order.tokenize(text, {"call_a"}) == in_order.tokenize(text, {"call_c"}) == first + rest
+    assert in_order.tokenize(text, {"call_b"}) == second + rest
 
 
 def test_the_byte_budget_evicts_the_least_recently_used_turn(smol_tokenizer: Any) -> None:

@@ -99,8 +99,11 @@ class TokenContinuations:
         with self._lock:
             turns = self._turns.pop(text, {})
             previous = turns.pop(key, None)
-            self._bytes -= size if previous is not None else 0
-            turns[key] = _Turn(ids, frozenset(call_ids))
+            calls = frozenset(call_ids)
+            if previous is not None:  # two rollouts that drew the very same ids: each one's calls lead here
+                self._bytes -= size
+                calls |= previous.call_ids
+            turns[key] = _Turn(ids, calls)
             self._turns[text] = turns
             self._bytes += size
             while self._bytes > self.budget_bytes:
