@@ -234,11 +234,15 @@ def test_rollouts_that_wrote_one_text_each_continue_their_own_ids(smol_tokenizer
         assert store.tokenize(text) == store.tokenize(text, {"call_unknown"}) == min(first, second) + rest
     in_order.remember(first[:1], first[1:], ["call_a"])  # the same turn again adds nothing
     assert len(in_order) == 2 and in_order.bytes_held == reversed_order.bytes_held
-    # a third rollout drew the very ids of the first: both go on from them, the second from its own
-    in_order.remember(first[:1], first[1:], ["call_c"])
+    # third and fourth rollouts drew the very ids of the one that is not the fallback: all three go on
+    # from them, the other from its own
+    shared, (other, other_call) = max((first, "call_a"), (second, "call_b")), min((first, "call_a"), (second, "call_b"))
+    for call in ("call_c", "call_d"):
+        in_order.remember(shared[0][:1], shared[0][1:], [call])
     assert len(in_order) == 2 and in_order.bytes_held == reversed_order.bytes_held
-    assert in_order.tokenize(text, {"call_a"}) == in_order.tokenize(text, {"call_c"}) == first + rest
-    assert in_order.tokenize(text, {"call_b"}) == second + rest
+    for call in (shared[1], "call_c", "call_d"):
+        assert in_order.tokenize(text, {call, "call_older"}) == shared[0] + rest
+    assert in_order.tokenize(text, {other_call}) == in_order.tokenize(text) == other + rest
 
 
 def test_the_byte_budget_evicts_the_least_recently_used_turn(smol_tokenizer: Any) -> None:

@@ -139,5 +139,5 @@ class TokenContinuations:
                 return None
             self._turns.move_to_end(best)
             turns = self._turns[best].values()
-            own = [turn for turn in turns if turn.call_ids and turn.call_ids <= set(call_ids)]
+            own = [turn for turn in turns if not turn.call_ids.isdisjoint(call_ids)]
             return best, min(own or turns, key=lambda turn: turn.ids.tolist()).ids
