@@ -21,6 +21,7 @@ its torch gain.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import statistics
@@ -149,16 +150,19 @@ def main() -> None:
         parser.error(f"--example {args.example}: no examples/{args.example}/train.py")
     if "vllm" in engines and not args.vllm_python.is_file():
         parser.error(f"--vllm-python {args.vllm_python} does not exist: `make setup-vllm` makes it")
+    if args.seeds < 1:
+        parser.error(f"--seeds {args.seeds}: run at least one seed")
     job_args = [a for a in args.job_args if a != "--"]
     runs = []
-    if args.keep is not None and args.keep.exists() and any(args.keep.iterdir()):
-        parser.error(f"--keep {args.keep} is not empty: name a new folder, so no earlier run resumes")
-    with tempfile.TemporaryDirectory(prefix="bench-learning-") as temporary:
-        workdir = args.keep.resolve() if args.keep is not None else Path(temporary)
-        workdir.mkdir(parents=True, exist_ok=True)
+    if args.keep is not None and args.keep.exists() and (not args.keep.is_dir() or any(args.keep.iterdir())):
+        parser.error(f"--keep {args.keep} is not an empty folder: name a new one, so no earlier run resumes")
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+    with (contextlib.nullcontext(str(args.keep.resolve())) if args.keep is not None
+          else tempfile.TemporaryDirectory(prefix="bench-learning-")) as workdir:
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             for engine in engines:
-                runs.append(run_job(args.example, seed, engine, job_args, args.vllm_python, workdir))
+                runs.append(run_job(args.example, seed, engine, job_args, args.vllm_python, Path(workdir)))
     print_table(runs, engines, args.target)
 
 

@@ -140,4 +140,4 @@ class TokenContinuations:
             self._turns.move_to_end(best)
             turns = self._turns[best].values()
             own = [turn for turn in turns if not turn.call_ids.isdisjoint(call_ids)]
-            return best, min(own or turns, key=lambda turn: turn.ids.tolist()).ids
+            return best, min(own or turns, key=lambda turn: turn.ids).ids  # arrays compare item by item

@@ -168,8 +168,7 @@ class ChatService:
             raise ContextLengthError.text_over(self.engine.max_model_len, len(text))
         # A prompt that replays an earlier turn keeps that turn's exact ids (see continuation.py);
         # the tool calls it carries back tell which turn, where several wrote the same text.
-        call_ids = {call["id"] for m in messages if m.get("role") == "assistant"
-                    for call in m.get("tool_calls") or () if isinstance(call.get("id"), str)}
+        call_ids = {call["id"] for m in messages for call in m.get("tool_calls") or ()}
         prompt_ids = self.continuations.tokenize(text, call_ids)
         grammar = self._grammar(body, tools, tool_choice, prompt)
         parse_tools = bool(tools) and body.tool_choice != "none"

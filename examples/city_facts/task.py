@@ -65,12 +65,9 @@ class Scenario:
 
     def answered_by(self, text: str) -> bool:
         """Whether `text` carries a part of the fact that answers the question."""
-        parts = fact_parts(self.tool, self.city)
-        for part in self.asks or tuple(parts):
-            words = SKY_WORDS[parts[part]] if part == "sky" else (parts[part],)
-            if any(word in text.lower() for word in words):
-                return True
-        return False
+        parts, text = fact_parts(self.tool, self.city), text.lower()
+        return any(word in text for part in self.asks or tuple(parts)
+                   for word in (SKY_WORDS[parts[part]] if part == "sky" else (parts[part],)))
 
 
 def scenarios(split: str, count: int, seed: int = 0) -> list[Scenario]:
