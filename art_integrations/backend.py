@@ -146,9 +146,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stop_at_exit(backend: LocalBackend) -> None:
+    """Stop `backend` when the interpreter exits, if nothing stopped it before: a script that ends
+    without close() (its backend object maybe long collected) must not leave the engine mid-step
+    on a daemon thread while Python finalizes (its next torch call then aborts the process), nor a
+    child server running on after it. threading's exit hook, not atexit's: atexit runs after
+    concurrent.futures has shut down every executor, and the server's shutdown waits on them."""
+    threading._register_atexit(backend.stop)  # type: ignore[attr-defined]  # private, but in every Python since 3.9
+
+
 class LocalBackend(Backend):
     """Starts the bundled backend on loopback: in this process (a server thread), or as a
-    child process (`in_process=False`). Stopped by `close()` or leaving `async with`.
+    child process (`in_process=False`). Stopped by `close()` or leaving `async with`, else when
+    the interpreter exits.
 
     `model`: a Hugging Face hub id (e.g. "Qwen/Qwen2.5-7B-Instruct", from the hub cache, else
     downloaded) or a local model directory; the server starts now. Without it (and without
@@ -199,6 +209,7 @@ class LocalBackend(Backend):
                 self._start_in_process(self._port, model, self._engine, self._art_dir)
             else:
                 self._start_child(self._port, model, self._engine, self._art_dir, self._log_file)
+            _stop_at_exit(self)
             self._wait_until_up(self._startup_timeout)
             self._started = True
 

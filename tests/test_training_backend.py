@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ import torch
 from art_integrations import (BackendError, GatheredGroups, LocalBackend, RemoteBackend, TrainableModel, TrainConfig,
                               Trajectory, TrajectoryGroup)
 from tests.conftest import ENGINES, scored_group
+from tests.doc_examples import ROOT
 
 TINY = "tiny-random-smollm2"
 
@@ -157,6 +161,38 @@ async def test_backend_in_a_child_process_starts_and_stops(tmp_path: Path) -> No
     assert await model.get_step() == 0
     await backend.close()
     assert process.returncode is not None and backend.pid is None
+
+
+# leaves asyncio.run with a reply still decoding and the backend never closed
+_SCRIPT_WITHOUT_CLOSE = """
+import asyncio, sys
+from art_integrations import LocalBackend
+
+async def main() -> None:
+    backend = LocalBackend(model="tiny-random-smollm2", art_dir=sys.argv[1], in_process=sys.argv[2] == "in")
+    stream = await backend.openai_client().chat.completions.create(
+        model="tiny-random-smollm2", stream=True, max_tokens=1500, messages=[{"role": "user", "content": "Count."}])
+    async for _ in stream:
+        break
+    print(backend.pid)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("where", ["in", "child"])
+def test_a_script_ending_without_close_exits_cleanly_and_stops_its_server(tmp_path: Path, where: str) -> None:
+    """Before the backend stopped itself at exit, the in-process engine was still decoding on its
+    daemon thread while Python finalized, and its next torch call aborted the process ("terminate
+    called without an active exception", 5 runs in 6); a child server outlived the script."""
+    env = {**os.environ, "ART_BACKEND_CPU_KERNELS": "false",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "backend")])}
+    ran = subprocess.run([sys.executable, "-c", _SCRIPT_WITHOUT_CLOSE, str(tmp_path / "art"), where], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "Traceback" not in ran.stderr, ran.stderr[-3000:]
+    if where == "child":
+        assert not Path(f"/proc/{int(ran.stdout.split()[-1])}").exists()
 
 
 async def test_remote_backend_with_an_api_key(tiny_engine, tmp_path: Path) -> None:
