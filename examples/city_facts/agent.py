@@ -48,9 +48,9 @@ def build_agent(llm: Any) -> Any:
     must_call = llm.bind_tools(TOOLS, tool_choice="required", parallel_tool_calls=False)
     answer = llm.bind_tools(TOOLS, tool_choice="none")
 
-    def call_model(state: MessagesState) -> dict[str, Any]:
+    async def call_model(state: MessagesState) -> dict[str, Any]:
         looked_up = any(m.type == "tool" for m in state["messages"])
-        reply = (answer if looked_up else must_call).invoke([SystemMessage(SYSTEM_PROMPT), *state["messages"]])
+        reply = await (answer if looked_up else must_call).ainvoke([SystemMessage(SYSTEM_PROMPT), *state["messages"]])
         return {"messages": [reply]}
 
     graph = StateGraph(MessagesState)

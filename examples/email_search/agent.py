@@ -78,9 +78,9 @@ def build_agent(llm: Any, tools: list[BaseTool]) -> Any:
     # The same tools on every call, so each turn's prompt extends the last one's tokens.
     models = [llm.bind_tools(tools, tool_choice=choice, parallel_tool_calls=False) for choice in TOOL_CHOICE_PER_CALL]
 
-    def call_model(state: MessagesState) -> dict[str, Any]:
+    async def call_model(state: MessagesState) -> dict[str, Any]:
         calls = sum(m.type == "ai" for m in state["messages"])
-        return {"messages": [models[calls].invoke([SystemMessage(SYSTEM_PROMPT), *state["messages"]])]}
+        return {"messages": [await models[calls].ainvoke([SystemMessage(SYSTEM_PROMPT), *state["messages"]])]}
 
     def answered(state: MessagesState) -> str:
         last_call = next(m for m in reversed(state["messages"]) if m.type == "ai")
