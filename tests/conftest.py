@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -238,6 +239,11 @@ def supervisor_graph(supervisor: Any, researcher: Any) -> Any:
 
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def checkout_env(**changes: str) -> dict[str, str]:
+    """This environment, with `changes`, for a child process that imports this checkout's packages."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "backend")]), **changes}
 
 
 def run_example(module: str, *args: str, timeout: float = 900) -> str:

@@ -20,7 +20,7 @@ import art_integrations as art
 from art_integrations.art_format import to_art
 from art_integrations.gather import TooManyRolloutErrors
 from art_integrations.rewards.ruler import Judge, RulerError, resolve_judge
-from tests.conftest import REPO
+from tests.conftest import REPO, checkout_env
 
 ART_PYTHON = REPO / ".venv-art" / "bin" / "python"
 FIXTURES = REPO / "tests" / "fixtures"
@@ -34,9 +34,7 @@ def _run_script(script: str, cwd: Path, tiny_model_dir: Path, **env: str) -> sub
     assert "art_integrations" in source and "import art\n" not in source and "from art." not in source
     cwd.mkdir(parents=True, exist_ok=True)
     run = subprocess.run([sys.executable, str(REPO / "tests" / "art_scripts" / f"{script}.py")], cwd=cwd,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "backend")]),
-                              "ART_BACKEND_MODEL": str(tiny_model_dir),
-                              "BASE_MODEL": tiny_model_dir.name, **env},
+                         env=checkout_env(ART_BACKEND_MODEL=str(tiny_model_dir), BASE_MODEL=tiny_model_dir.name, **env),
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run

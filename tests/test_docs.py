@@ -20,6 +20,7 @@ from art_backend.config import BackendSettings
 
 from art_integrations import LoraConfig, TrainConfig
 
+from tests.conftest import checkout_env
 from tests.doc_examples import ROOT, Example, examples, pages
 
 SETTINGS_PAGE = ROOT / "docs" / "backend" / "settings.md"
@@ -54,8 +55,7 @@ def test_the_examples_run(page: Path, tmp_path: Path, tiny_model_dir: Path) -> N
     (`ART_BACKEND_MODEL`, which `LocalBackend()` reads) and a scratch directory as the working one.
     The fused CPU kernels stay off: their one-time build would only slow these down, and a build
     killed by the timeout would leave torch's extension lock behind for every later start."""
-    env = {**os.environ, "ART_BACKEND_MODEL": TINY, "ART_BACKEND_CPU_KERNELS": "false", "WANDB_MODE": "disabled",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "backend")])}
+    env = checkout_env(ART_BACKEND_MODEL=TINY, ART_BACKEND_CPU_KERNELS="false", WANDB_MODE="disabled")
     ran = subprocess.run([sys.executable, "-m", "tests.doc_examples", str(page)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-6000:]

@@ -8,7 +8,6 @@ Nothing here reaches the network: every run sets HF_ENDPOINT to loopback or HF_H
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from art_backend.model_store import EMBEDDED_MODEL_NAME, ModelNotFoundError, res
 
 from art_integrations import Model, TrainableModel
 from art_integrations.backend import BackendError, LocalBackend
-from tests.conftest import REPO, ServerThread, free_port
+from tests.conftest import REPO, ServerThread, checkout_env, free_port
 from tests.fake_hub import FakeHub, HubRepo, commit_id, fake_hub_app, model_files, write_hub_cache
 
 MAIN, V2 = commit_id("main"), commit_id("v2")
@@ -76,7 +75,7 @@ def fake_hub(tiny_files: dict[str, bytes]) -> Iterator[tuple[FakeHub, str]]:
 
 def _env(**changes: str) -> dict[str, str]:
     """This environment for a child that imports this checkout's packages, without HF_HUB_OFFLINE."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "backend")]), **changes}
+    env = checkout_env(**changes)
     if "HF_HUB_OFFLINE" not in changes:
         env.pop("HF_HUB_OFFLINE", None)
     return env

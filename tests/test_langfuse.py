@@ -9,7 +9,6 @@ import base64
 import gzip
 import json
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -47,7 +46,7 @@ from art_integrations.langchain import ARTCallbackHandler, ChatART
 from art_integrations.observability import LangfuseExporter, TraceLabels
 from art_integrations.rewards import Judge, ruler
 from art_integrations.trajectory import Choice
-from tests.conftest import ServerThread, supervisor_graph
+from tests.conftest import ServerThread, checkout_env, supervisor_graph
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning",
                                         "ignore:create_react_agent has been moved")
@@ -357,10 +356,9 @@ def test_reward_metrics_and_ruler_explanation_become_scores(receiver: LangfuseRe
 
 
 def command(art_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'backend'}"}
     return subprocess.run([sys.executable, "-m", "art_integrations.observability.langfuse", "--art-dir", str(art_dir),
                            "--project", "lf-demo", "--model", "agent", *args],
-                          capture_output=True, text=True, env=env, timeout=120, cwd=ROOT, check=False)
+                          capture_output=True, text=True, env=checkout_env(), timeout=120, cwd=ROOT, check=False)
 
 
 def test_stored_trajectories_are_exported_afterwards(receiver: LangfuseReceiver, run: Run) -> None:

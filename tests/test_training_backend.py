@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +14,7 @@ import torch
 
 from art_integrations import (BackendError, GatheredGroups, LocalBackend, RemoteBackend, TrainableModel, TrainConfig,
                               Trajectory, TrajectoryGroup)
-from tests.conftest import ENGINES, scored_group
-from tests.doc_examples import ROOT
+from tests.conftest import ENGINES, checkout_env, scored_group
 
 TINY = "tiny-random-smollm2"
 
@@ -185,9 +183,8 @@ def test_a_script_ending_without_close_exits_cleanly_and_stops_its_server(tmp_pa
     """Before the backend stopped itself at exit, the in-process engine was still decoding on its
     daemon thread while Python finalized, and its next torch call aborted the process ("terminate
     called without an active exception", 5 runs in 6); a child server outlived the script."""
-    env = {**os.environ, "ART_BACKEND_CPU_KERNELS": "false",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "backend")])}
-    ran = subprocess.run([sys.executable, "-c", _SCRIPT_WITHOUT_CLOSE, str(tmp_path / "art"), where], env=env,
+    ran = subprocess.run([sys.executable, "-c", _SCRIPT_WITHOUT_CLOSE, str(tmp_path / "art"), where],
+                         env=checkout_env(ART_BACKEND_CPU_KERNELS="false"),
                          capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert "Traceback" not in ran.stderr, ran.stderr[-3000:]

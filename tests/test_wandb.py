@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import struct
 import subprocess
 import sys
@@ -19,8 +18,8 @@ from wandb.proto import wandb_internal_pb2
 
 from art_integrations import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
 from art_integrations.observability.wandb import numeric_metrics, run_id, wandb_wanted
+from tests.conftest import checkout_env
 
-ROOT = Path(__file__).resolve().parent.parent
 
 # One step of a training job, as a user writes it: validate, then train. Run in its own process,
 # so a second run is a real restart.
@@ -98,8 +97,7 @@ async def backend(art_dir: Path) -> AsyncIterator[LocalBackend]:
 
 
 def run_job(backend: LocalBackend, wandb_dir: Path) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'backend'}", "WANDB_MODE": "offline",
-           "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"}
+    env = checkout_env(WANDB_MODE="offline", WANDB_DIR=str(wandb_dir), WANDB_SILENT="true")
     env.pop("WANDB_API_KEY", None)
     done = subprocess.run([sys.executable, "-c", JOB, backend.base_url], capture_output=True, text=True, env=env,
                           timeout=300, cwd=wandb_dir, check=False)
