@@ -51,7 +51,7 @@ class Run:
 
     @property
     def gain(self) -> float:
-        return self.trained - self.base
+        return round(self.trained - self.base, 3)  # to the job's printed places: 0.950 - 0.375 is not 0.575 in floats
 
 
 def wait_until_serving(url: str, server: subprocess.Popen[bytes], log: Path, timeout: float = 900) -> None:
@@ -124,7 +124,7 @@ def print_table(runs: list[Run], engines: list[str], target: float) -> None:
     if set(engines) == {"torch", "vllm"}:
         by_seed = {(r.seed, r.engine): r.gain for r in runs}
         seeds = sorted({r.seed for r in runs})
-        differences = [by_seed[s, "vllm"] - by_seed[s, "torch"] for s in seeds]
+        differences = [round(by_seed[s, "vllm"] - by_seed[s, "torch"], 3) for s in seeds]
         print("\nvLLM gain - torch gain, per seed: "
               + ", ".join(f"seed {s} {d:+.3f}" for s, d in zip(seeds, differences))
               + f"; seeds within 0.05 or above: {sum(d >= -0.05 for d in differences)}/{len(seeds)}")

@@ -1,0 +1,20 @@
+"""The learning benchmark's summary counts a seed at the edge of a target as reaching it: scores are
+printed to three places, and their float differences land either side of the edge."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from bench_learning import Run, print_table  # noqa: E402
+
+
+def test_a_seed_at_the_edge_of_a_target_counts_as_reaching_it(capsys) -> None:
+    runs = [Run(0, "torch", 0.375, 1.000, 2.5, 2.2), Run(0, "vllm", 0.375, 0.950, 9.9, 0.4),
+            Run(1, "torch", 0.271, 0.571, 2.5, 2.2), Run(1, "vllm", 0.271, 0.775, 9.0, 0.4),
+            Run(2, "torch", 0.375, 0.950, 2.5, 2.2), Run(2, "vllm", 0.375, 0.879, 9.6, 0.4)]
+    print_table(runs, ["torch", "vllm"], target=0.3)
+    out = capsys.readouterr().out
+    assert "seed 0 -0.050, seed 1 +0.204, seed 2 -0.071; seeds within 0.05 or above: 2/3" in out
+    torch_row = next(line for line in out.splitlines() if line.strip().startswith("torch"))
+    assert torch_row.split()[4] == "3/3"  # seed 1's 0.571 - 0.271 reaches the +0.30 target
