@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from bench_learning import Run, print_table  # noqa: E402
+from bench_learning import Run, print_table
 
 
 def test_a_seed_at_the_edge_of_a_target_counts_as_reaching_it(capsys) -> None:
