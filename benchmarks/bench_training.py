@@ -11,7 +11,9 @@ Measured, one optimizer step each, on SmolLM2-135M-Instruct with a LoRA adapter 
 q/k/v/o/gate/up/down):
   ours           `LoraTrainer.step` as the backend runs it (prefix-tree batches of <= 2048 tokens,
                  `training/packing.py`; CISPO loss, gradient clipping, AdamW, and saving the
-                 adapter + optimizer state);
+                 adapter + optimizer state; host memory freed within a step reused, where the
+                 CPU kernels build: `engine/host_memory.py`);
+  ours, no reuse the same without that reuse: every freed block goes back to the system;
   ours unpacked  the same, each sequence a row of its own (padded micro-batches of <= 2048 tokens);
   plain          a separate model copy wrapped by `peft.get_peft_model`, the same unpacked padded
                  micro-batches: forward, log_softmax, gather, the per-trajectory weighted REINFORCE
@@ -46,6 +48,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from art_backend.config import BackendSettings
+from art_backend.engine.cpu_kernels import load_cpu_kernels
 from art_backend.model_store import embedded_model_dir
 from art_backend.training.packing import padded_batches
 from art_backend.training.service import step_sequences
@@ -151,13 +154,16 @@ def main() -> None:
     ours_model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     weight_mib = sum(p.numel() * p.element_size() for p in ours_model.parameters()) / 2**20
     unpacked_model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    no_reuse_model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     plain_model = AutoModelForCausalLM.from_pretrained(model_dir).eval()  # separate peft wrapping
     lora, config = LoraConfig(), TrainConfig(learning_rate=1e-5, micro_batch_tokens=MICRO_BATCH_TOKENS)
     real, trajectories = real_step()
     batches = {"main job step": real,
                **{f"{n}x{length}": build_batch(plain_model, n, length) for n, length in shapes}}
-    trainer, plain = LoraTrainer(ours_model), PlainLoop(plain_model, lora)
-    unpacked = LoraTrainer(unpacked_model, packing=False)
+    kernels = load_cpu_kernels()
+    trainer, plain = LoraTrainer(ours_model, cpu_kernels=kernels), PlainLoop(plain_model, lora)
+    unpacked = LoraTrainer(unpacked_model, packing=False, cpu_kernels=kernels)
+    no_reuse = LoraTrainer(no_reuse_model)
     note = trl_note()
     print(note)
 
@@ -167,6 +173,8 @@ def main() -> None:
             systems: dict[str, Callable[[], dict[str, float]]] = {
                 "ours (LoraTrainer)": lambda s=sequences, b=label: trainer.step(
                     f"bench-{b}", s, config, lora, resume_from=None, save_to=Path(tmp) / b),
+                "ours, no memory reuse": lambda s=sequences, b=label: no_reuse.step(
+                    f"bench-{b}", s, config, lora, resume_from=None, save_to=Path(tmp) / f"{b}-no-reuse"),
                 "ours unpacked": lambda s=sequences, b=label: unpacked.step(
                     f"bench-{b}", s, config, lora, resume_from=None, save_to=Path(tmp) / f"{b}-unpacked"),
                 "plain transformers+peft": lambda s=sequences: plain.step(s),

@@ -29,7 +29,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_SOURCES = [Path(__file__).with_name("cpu_kernels.cpp"), Path(__file__).with_name("step_memory.cpp")]
 
 # The vector instructions torch itself uses on this CPU, as compiler flags: the kernels' loops and
 # exps run 8-16 floats at a time instead of 4 (the sampler and SiLU ~3x faster than with SSE2).
@@ -75,7 +75,7 @@ def load_cpu_kernels() -> Any | None:
                 logger.warning("Removing %s: a build of the CPU kernels was killed while holding it, and torch "
                                "would wait for it forever", stale)
                 stale.unlink()
-            load(name=name, sources=[str(_SOURCE)], extra_cflags=flags, is_python_module=False,
+            load(name=name, sources=[str(source) for source in _SOURCES], extra_cflags=flags, is_python_module=False,
                  build_directory=str(build))
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as error:
         logger.warning(

@@ -41,7 +41,7 @@ from art_backend.engine.base import (
     end_of_turn_ids,
     is_base_model,
 )
-from art_backend.engine.host_memory import return_freed_memory_to_os
+from art_backend.engine.host_memory import return_freed_memory_to_os, reusing_freed_memory
 from art_backend.engine.llama import LORA_TARGETS, LeanLlama, LoraWeights
 from art_backend.engine.sampling import Penalties, RowSampling, sample
 from art_backend.grammar import Constrainer, GrammarError
@@ -238,7 +238,7 @@ class TorchEngine:
         def step() -> dict[str, float]:
             waited = time.perf_counter() - asked
             if self._trainer is None:
-                self._trainer = LoraTrainer(self.model)
+                self._trainer = LoraTrainer(self.model, cpu_kernels=self.lean.kernels)
             return {**self._trainer.step(model_name, sequences, config, lora, resume_from, save_to),
                     "wait_seconds": waited}
 
@@ -342,7 +342,10 @@ class TorchEngine:
                     break
             self._run_jobs()
             try:
-                self._admit()
+                # a prefill's layers free and remake the same sizes (a decode step's tensors are
+                # too small to gain: measured, the main job ran no faster)
+                with reusing_freed_memory(self.lean.kernels):
+                    self._admit()
                 if self._active:
                     self._decode_step()
                 if not self._active:

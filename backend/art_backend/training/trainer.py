@@ -17,6 +17,7 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
@@ -24,7 +25,7 @@ from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from art_backend.engine.host_memory import return_freed_memory_to_os
+from art_backend.engine.host_memory import return_freed_memory_to_os, reusing_freed_memory
 from art_backend.kill_points import kill_point
 from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.loss import LossConfig, LossTerms, policy_loss
@@ -115,10 +116,12 @@ def loss_config(config: TrainConfig) -> LossConfig:
 
 class LoraTrainer:
     def __init__(self, model: PreTrainedModel, first_adapter: FirstAdapter = _peft_first_adapter,
-                 packing: bool = True) -> None:
+                 packing: bool = True, cpu_kernels: Any | None = None) -> None:
         """`packing`: run each step's sequences as prefix trees (packing.py), which takes a model
-        whose attention applies a 4D mask as given (transformers' SDPA and eager attention do)."""
+        whose attention applies a 4D mask as given (transformers' SDPA and eager attention do).
+        `cpu_kernels` (`load_cpu_kernels()`, on CPU): a step reuses the host memory it frees."""
         return_freed_memory_to_os()  # else the process keeps each step's peak (host_memory.py)
+        self.cpu_kernels = cpu_kernels
         self.base = model
         self.first_adapter = first_adapter
         self.packing = packing
@@ -171,13 +174,14 @@ class LoraTrainer:
         if not sequences:  # a step without signal: the adapter and optimizer go on unchanged
             self._save(key, optimizer, save_to)
             return {"train_seconds": time.perf_counter() - started}
-        self.peft.train()
-        self._checkpoint_activations(config.gradient_checkpointing)
-        sums = self.accumulate_gradients(sequences, config)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        self.peft.eval()
+        with reusing_freed_memory(self.cpu_kernels):
+            self.peft.train()
+            self._checkpoint_activations(config.gradient_checkpointing)
+            sums = self.accumulate_gradients(sequences, config)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            self.peft.eval()
         self._save(key, optimizer, save_to)
         return {**sums, "grad_norm": float(grad_norm), "train_seconds": time.perf_counter() - started}
 
