@@ -32,11 +32,12 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MMAP_THRESHOLD_BYTES = 128 << 10  # glibc's starting value, kept fixed
 USER_SETTING = "MALLOC_MMAP_THRESHOLD_"  # glibc reads it at start; a user's own choice is left alone
 # What `reusing_freed_memory` keeps at most, and so adds at most to a step's peak. The main job's
-# stored step: 11.9 s unbounded by nothing kept, 8.7 s keeping 64 MiB, 7.9 s keeping 256 MiB (its
+# stored step took 11.9 s keeping nothing, 8.7 s keeping 64 MiB and 7.9 s keeping 256 MiB (its
 # peak 1.29 -> 1.34 -> 1.48 GB); a prefill needs about this much to gain at all.
 REUSE_KEPT_BYTES = 256 << 20
 
 _done = False
+_refusal_told = False  # the warning that the reuse was refused, given once
 
 
 def return_freed_memory_to_os() -> None:
@@ -63,9 +64,11 @@ def reusing_freed_memory(cpu_kernels: Any | None) -> Iterator[None]:
     if cpu_kernels is None:
         yield
         return
-    if not cpu_kernels.reuse_step_memory(True, REUSE_KEPT_BYTES):
+    global _refusal_told
+    if not cpu_kernels.reuse_step_memory(True, REUSE_KEPT_BYTES) and not _refusal_told:
+        _refusal_told = True
         logger.warning("Host memory: torch's CPU allocator was replaced by one of higher priority, so freed "
-                       "blocks are not reused within a training step (steps run ~1.4x slower)")
+                       "blocks are not reused within a training step (steps run ~1.6x slower)")
     try:
         yield
     finally:

@@ -34,6 +34,7 @@ class StepAllocator final : public c10::Allocator {
     void* data = take(bytes);
     if (data == nullptr) {
       data = c10::alloc_cpu(bytes);
+      if (data == nullptr) return {nullptr, nullptr, &StepAllocator::release, c10::Device(c10::DeviceType::CPU)};
       std::lock_guard<std::mutex> lock(mutex_);
       sizes_[data] = bytes;
     }
