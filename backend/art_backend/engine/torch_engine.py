@@ -344,8 +344,9 @@ class TorchEngine:
             try:
                 # a prefill's layers free and remake the same sizes (a decode step's tensors are
                 # too small to gain: measured, the main job ran no faster)
-                with reusing_freed_memory(self.lean.kernels):
-                    self._admit()
+                if self._waiting:
+                    with reusing_freed_memory(self.lean.kernels):
+                        self._admit()
                 if self._active:
                     self._decode_step()
                 if not self._active:
