@@ -14,7 +14,7 @@ ENGINE_TESTS := tests/test_openai_api.py tests/test_engines.py tests/test_traini
 # Tests whose vLLM part (-m vllm) runs in .venv-vllm beside the engine contract tests
 VLLM_TESTS := $(ENGINE_TESTS) tests/test_gpu_kit.py
 
-.PHONY: setup setup-vllm setup-art browser run smoke docs test bench-serving bench-llamacpp bench-load bench-vllm-serving bench-lora-serving bench-training bench-capture bench-rollouts bench-learning gpu-bundle clean
+.PHONY: setup setup-vllm setup-art browser run smoke docs test bench-serving bench-llamacpp bench-load bench-vllm-serving bench-lora-serving bench-decode-step bench-training bench-capture bench-rollouts bench-learning gpu-bundle clean
 
 # $(call new_venv,DIR,PACKAGES): a venv at DIR with the pinned CPU torch, the embedded model and PACKAGES.
 define new_venv
@@ -101,6 +101,10 @@ bench-vllm-serving: setup-vllm
 
 bench-lora-serving: setup
 	$(BIN)/python benchmarks/bench_lora_serving.py $(ARGS)
+
+# a decode step of a group's rollouts, reading their common prompt start once or each its own copy
+bench-decode-step: setup
+	$(BIN)/python benchmarks/bench_decode_step.py $(ARGS)
 
 bench-training: setup
 	$(BIN)/python benchmarks/bench_training.py $(ARGS)

@@ -112,6 +112,51 @@ def test_exact_integer_groups_are_found_and_multiply_as_the_float32_weights(embe
     assert as_exact_groups(torch.randn(64, 64)) is None  # a model trained in float32
 
 
+def _attention_in_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                          positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `decode_attention` computes, step by step in float64: the output and the keys cache."""
+    def rotate(x: torch.Tensor, row: int) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos[row] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[row]
+
+    k_cache = k_cache.double()
+    v_cache = v_cache.double()
+    for row, (slot, position) in enumerate(zip(slots.tolist(), positions.tolist())):
+        k_cache[slot, :, position] = rotate(k[row].double(), row)
+        v_cache[slot, :, position] = v[row].double()
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for row, (slot, position) in enumerate(zip(slots.tolist(), positions.tolist())):
+        queries = rotate(q[row].double(), row) / dim ** 0.5
+        for head in range(heads):
+            kv = head // (heads // kv_heads)
+            weights = torch.softmax(k_cache[slot, kv, :position + 1] @ queries[head], dim=0)
+            out[row, head] = weights @ v_cache[slot, kv, :position + 1]
+    return out, k_cache
+
+
+# head sizes of 16 to 128 take the vector path (its 16-key blocks, its last partial block, 1 to
+# 12 queries weighed at once); 48 takes the portable loops
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 16), (14, 2, 64), (16, 8, 128),
+                                                        (6, 2, 32), (5, 5, 48)])
+def test_decode_attention_matches_attention_in_float64(heads: int, kv_heads: int, dim: int) -> None:
+    kernels = _kernels_or_skip()
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.tensor([0, 15, 16, 17, 46, 100, 5, 6, 7])  # the last three: one prompt's rows in one slot
+    slots = torch.tensor([1, 3, 0, 2, 5, 7, 4, 4, 4])
+    rows = len(positions)
+    k_cache = torch.randn(8, kv_heads, 128, dim, generator=generator)
+    v_cache = torch.randn(8, kv_heads, 128, dim, generator=generator)
+    q, k, v = (torch.randn(rows, n, dim, generator=generator) for n in (heads, kv_heads, kv_heads))
+    angles = torch.randn(rows, dim // 2, generator=generator)
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    want, want_keys = _attention_in_float64(q, k, v, cos, sin, k_cache, v_cache, slots, positions)
+    got = kernels.decode_attention(q, k, v, cos, sin, k_cache, v_cache, slots, positions)
+    torch.testing.assert_close(got, want.float(), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(k_cache, want_keys.float(), atol=1e-6, rtol=1e-6)
+
+
 def _random_lora(lean: LeanLlama, modules: list[str], seed: int) -> LoraWeights:
     """Random rank-4 A and B for `modules` in every layer, fused as `TorchEngine` fuses a peft adapter."""
     generator = torch.Generator().manual_seed(seed)
@@ -397,6 +442,42 @@ async def test_requests_prefilled_together_decode_as_each_alone(embedded_model_d
     for one, batched in zip(alone, together):
         assert batched[0]["ids"] == one["ids"]
         assert batched[0]["logprobs"] == pytest.approx(one["logprobs"], abs=1e-3)
+
+
+async def test_rows_reading_a_shared_prompt_start_decode_as_with_their_own_copies(embedded_model_dir: Path) -> None:
+    # a group's rollouts read the keys and values of their common prompt start from one slot; the
+    # numbers there are the same, so every token and logprob must be too, to the bit, also after
+    # the sequence they read from has finished (the first stops after 3 tokens)
+    engine = TorchEngine(embedded_model_dir, prefix_cache_bytes=0)
+    if engine.lean.kernels is None:
+        await engine.close()
+        pytest.skip("decode steps read a shared prompt start only with the fused kernels")
+    try:
+        story = "Here is a story about a lighthouse keeper who counts the ships that pass each night. " * 4
+        requests = [GenerationRequest(_prompt(engine, story + ending),
+                                      SamplingParams(max_tokens=3 if i == 0 else 12, temperature=1.0, seed=i,
+                                                     ignore_eos=True))
+                    for i, ending in enumerate(["Go on.", "Go on, please.", "Continue it.", "Go on."])]
+        shared: list[list[int]] = []
+        find_shared = engine._shared_kv
+
+        def recording() -> tuple[torch.Tensor, torch.Tensor] | None:
+            found = find_shared()
+            assert found is not None
+            shared.append(found[1].tolist())
+            return found
+
+        engine._shared_kv = recording  # type: ignore[method-assign]
+        reading_shared = await asyncio.gather(*(_run(engine, r) for r in requests))
+        engine._shared_kv = lambda: None  # type: ignore[method-assign]
+        own_copies = await asyncio.gather(*(_run(engine, r) for r in requests))
+    finally:
+        await engine.close()
+    assert sum(n >= 64 for n in shared[0]) >= 3  # all but one row read the story from another's slot
+    assert len(shared[-1]) == 3 and min(shared[-1]) >= 64  # the first finished; the rest read from each other
+    for one, other in zip(reading_shared, own_copies):
+        assert one[0]["ids"] == other[0]["ids"]
+        assert one[0]["logprobs"] == other[0]["logprobs"]
 
 
 async def test_lora_adapter_is_served_and_matches_peft(tiny_engine: TorchEngine, tmp_path: Path) -> None:

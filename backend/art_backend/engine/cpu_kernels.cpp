@@ -66,6 +66,149 @@ void check_float(std::initializer_list<const at::Tensor*> tensors, const char* o
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), op, ": inputs must be float32 CPU tensors");
 }
 
+// One KV head's keys and values [length, d] as a row reads them: positions below `split` from
+// the slot of a row it shares them with (the same tokens, so the same numbers: see
+// `decode_attention`), the rest from its own slot.
+struct HeadKV {
+  const float *shared_keys, *shared_values, *keys, *values;
+  int64_t split;
+  const float* key(int64_t j, int64_t d) const { return (j < split ? shared_keys : keys) + j * d; }
+  const float* value(int64_t j, int64_t d) const { return (j < split ? shared_values : values) + j * d; }
+};
+
+// Each of `group` rows of `scores` [group, length] -> exp(score - the row's max), their sums in `total`
+void softmax_numerators(float* scores, int64_t group, int64_t length, float* total) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * length;
+    const float top = *std::max_element(row, row + length);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < length; ++j) {
+      row[j] = exp_simd(row[j] - top);
+      sum += row[j];
+    }
+    total[g] = sum;
+  }
+}
+
+// Scores, softmax numerators and their sums: for each query g of a KV head's group,
+//   scores[g, j] = query_g . key_j,  then exp(scores[g, j] - max_j), total[g] = their sum,
+//   acc[g] = sum_j exp(...) value_j  (the output before dividing by total[g]).
+// Portable loops: one dot product per (key, query), each ending in a sum across the vector.
+void attend_loops(const float* queries, int64_t group, const HeadKV& kv, int64_t length, int64_t d, float* scores,
+                  float* acc, float* total) {
+  for (int64_t j = 0; j < length; ++j) {
+    const float* key = kv.key(j, d);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* query = queries + g * d;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < d; ++i) dot += query[i] * key[i];
+      scores[g * length + j] = dot;
+    }
+  }
+  softmax_numerators(scores, group, length, total);
+  std::fill(acc, acc + group * d, 0.f);
+  for (int64_t j = 0; j < length; ++j) {
+    const float* value = kv.value(j, d);
+    for (int64_t g = 0; g < group; ++g) {
+      const float weight = scores[g * length + j];
+      float* a = acc + g * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) a[i] += weight * value[i];
+    }
+  }
+}
+
+#ifdef __AVX512F__
+// [sum of v[0]'s 16 lanes, ..., sum of v[15]'s]: pairs of vectors folded into one, four times
+// over (each fold adds halves of two vectors' lanes), 48 instructions for 16 sums where 16
+// separate sums across a vector take ~130 and wait on each other.
+inline __m512 sum_each(const __m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: its sums of four vectors
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  constexpr int kEven = _MM_SHUFFLE(2, 0, 2, 0), kOdd = _MM_SHUFFLE(3, 1, 3, 1);  // 128-bit lanes 0, 2 and 1, 3
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], kEven),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], kOdd));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], kEven),
+                                    _mm512_shuffle_f32x4(quads[2], quads[3], kOdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, kEven), _mm512_shuffle_f32x4(low, high, kOdd));
+}
+
+// acc[g0 + g] += sum_j scores[g0 + g, j] value_j for GROUPS queries at once, their
+// GROUPS * CHUNKS sums in registers (one chain of adds per output, over the keys in order).
+template <int CHUNKS, int GROUPS>
+void weigh_values(const float* scores, int64_t g0, const HeadKV& kv, int64_t length, float* acc) {
+  __m512 sums[GROUPS][CHUNKS];
+  for (int g = 0; g < GROUPS; ++g)
+    for (int c = 0; c < CHUNKS; ++c) sums[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < length; ++j) {
+    const float* value = kv.value(j, CHUNKS * 16);
+    for (int g = 0; g < GROUPS; ++g) {
+      const __m512 weight = _mm512_set1_ps(scores[(g0 + g) * length + j]);
+      for (int c = 0; c < CHUNKS; ++c) sums[g][c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 16 * c), sums[g][c]);
+    }
+  }
+  for (int g = 0; g < GROUPS; ++g)
+    for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(acc + ((g0 + g) * CHUNKS + c) * 16, sums[g][c]);
+}
+
+// `weigh_values` for `groups` queries (1 to 12 / CHUNKS), GROUPS the first count tried
+template <int CHUNKS, int GROUPS = 1>
+void weigh_values_of(int64_t groups, const float* scores, int64_t g0, const HeadKV& kv, int64_t length, float* acc) {
+  if constexpr (GROUPS * CHUNKS <= 12 || GROUPS == 1) {
+    if (groups == GROUPS) return weigh_values<CHUNKS, GROUPS>(scores, g0, kv, length, acc);
+    weigh_values_of<CHUNKS, GROUPS + 1>(groups, scores, g0, kv, length, acc);
+  }
+}
+
+// `attend_loops` for a head of CHUNKS * 16 dims: 16 keys at a time, each query's 16 dot
+// products summed across their vectors together (`sum_each`); then the values weighed with
+// up to 12 sums in registers, enough independent chains to keep both FMA units busy.
+template <int CHUNKS>
+void attend_vectors(const float* queries, int64_t group, const HeadKV& kv, int64_t length, float* scores, float* acc,
+                    float* total) {
+  constexpr int64_t d = CHUNKS * 16;
+  for (int64_t j0 = 0; j0 < length; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, length - j0);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* query = queries + g * d;
+      __m512 dots[16];
+      for (int64_t jj = 0; jj < 16; ++jj) {
+        dots[jj] = _mm512_setzero_ps();
+        if (jj < n)
+          for (int c = 0; c < CHUNKS; ++c)
+            dots[jj] = _mm512_fmadd_ps(_mm512_loadu_ps(query + 16 * c), _mm512_loadu_ps(kv.key(j0 + jj, d) + 16 * c),
+                                       dots[jj]);
+      }
+      _mm512_mask_storeu_ps(scores + g * length + j0, static_cast<__mmask16>((1u << n) - 1), sum_each(dots));
+    }
+  }
+  softmax_numerators(scores, group, length, total);
+  constexpr int64_t kAtOnce = std::max(1, 12 / CHUNKS);
+  for (int64_t g0 = 0; g0 < group; g0 += kAtOnce)
+    weigh_values_of<CHUNKS>(std::min(kAtOnce, group - g0), scores, g0, kv, length, acc);
+}
+#endif
+
+void attend(const float* queries, int64_t group, const HeadKV& kv, int64_t length, int64_t d, float* scores, float* acc,
+            float* total) {
+#ifdef __AVX512F__
+  switch (d) {
+    case 16: return attend_vectors<1>(queries, group, kv, length, scores, acc, total);
+    case 32: return attend_vectors<2>(queries, group, kv, length, scores, acc, total);
+    case 64: return attend_vectors<4>(queries, group, kv, length, scores, acc, total);
+    case 128: return attend_vectors<8>(queries, group, kv, length, scores, acc, total);
+  }
+#endif
+  attend_loops(queries, group, kv, length, d, scores, acc, total);
+}
+
 // For each row b (one token at position p = positions[b], cache slot s = slots[b]):
 //   k, q <- rotary(k), rotary(q);  K[s, :, p] <- k;  V[s, :, p] <- v
 //   out[b, head] = softmax(q K[s, kv(head), :p+1]^T / sqrt(d)) V[s, kv(head), :p+1]
@@ -73,9 +216,15 @@ void check_float(std::initializer_list<const at::Tensor*> tensors, const char* o
 // any row attends, so rows may be one prompt's tokens (same slot, successive positions): a token
 // then gets the same numbers in a prompt as in a decode step. One task per (row, KV head): it
 // reads that head's keys and values once for all the query heads of its group.
+// Optionally row b reads its first shared_lengths[b] keys and values from slot shared_slots[b]
+// instead of its own: rows whose prompts start alike (a group's rollouts) hold copies of the
+// same numbers, and reading one copy for all of them, one after another, reads the rest from
+// the CPU's caches instead of memory.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
-                            at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& positions) {
+                            at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& positions,
+                            const std::optional<at::Tensor>& shared_slots,
+                            const std::optional<at::Tensor>& shared_lengths) {
   check_float({&q, &k, &v, &cos, &sin, &k_cache, &v_cache}, "decode_attention");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [batch, heads, head_dim]");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v need a contiguous last dim");
@@ -92,6 +241,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   for (int64_t b = 0; b < batch; ++b)
     TORCH_CHECK(slot_of[b] >= 0 && slot_of[b] < n_slots && position_of[b] >= 0 && position_of[b] < capacity,
                 "row ", b, ": slot or position outside the cache");
+  TORCH_CHECK(shared_slots.has_value() == shared_lengths.has_value(), "shared_slots and shared_lengths go together");
+  at::Tensor lead_c = slots_c, split_c = at::zeros_like(slots_c);
+  if (shared_slots.has_value()) {
+    lead_c = shared_slots->contiguous(), split_c = shared_lengths->contiguous();
+    TORCH_CHECK(lead_c.scalar_type() == at::kLong && split_c.scalar_type() == at::kLong && lead_c.numel() == batch &&
+                split_c.numel() == batch, "shared_slots and shared_lengths are int64 [batch]");
+  }
+  const int64_t *lead_of = lead_c.data_ptr<int64_t>(), *split_of = split_c.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(lead_of[b] >= 0 && lead_of[b] < n_slots && split_of[b] >= 0 && split_of[b] <= position_of[b],
+                "row ", b, ": its shared slot is outside the cache, or it shares past its own position");
 
   auto out = at::empty({batch, heads, d}, q.options());
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -108,51 +268,41 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       std::copy(v_new, v_new + d, v_base + head + position * d);
     }
   });
-  // A prompt's rows attend to ever more keys, and each thread takes one run of tasks: rows are
-  // taken first, last, second, second to last..., so that every run holds a fair share of work.
+  // Each thread takes one run of tasks. A prompt's rows attend to ever more keys: rows are taken
+  // first, last, second, second to last..., so that every run holds a fair share of work. Rows
+  // that share keys are taken one after another, head by head.
+  std::vector<int64_t> tasks(batch * kv_heads);
+  if (shared_slots.has_value()) {
+    std::vector<int64_t> rows(batch);
+    for (int64_t b = 0; b < batch; ++b) rows[b] = b;
+    std::stable_sort(rows.begin(), rows.end(), [&](int64_t x, int64_t y) { return lead_of[x] < lead_of[y]; });
+    int64_t next = 0;
+    for (int64_t first = 0; first < batch;) {
+      int64_t last = first;
+      while (last < batch && lead_of[rows[last]] == lead_of[rows[first]]) ++last;
+      for (int64_t h = 0; h < kv_heads; ++h)
+        for (int64_t r = first; r < last; ++r) tasks[next++] = rows[r] * kv_heads + h;
+      first = last;
+    }
+  } else {
+    for (int64_t task = 0; task < batch * kv_heads; ++task) {
+      const int64_t turn = task / kv_heads, b = turn % 2 == 0 ? turn / 2 : batch - 1 - turn / 2;
+      tasks[task] = b * kv_heads + task % kv_heads;
+    }
+  }
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> queries(group * d), scores, acc(group * d), total(group);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t turn = task / kv_heads, b = turn % 2 == 0 ? turn / 2 : batch - 1 - turn / 2;
-      const int64_t h = task % kv_heads, position = position_of[b], length = position + 1;
+      const int64_t b = tasks[task] / kv_heads, h = tasks[task] % kv_heads;
+      const int64_t position = position_of[b], length = position + 1;
       const float *cos_b = cos_p + b * d, *sin_b = sin_p + b * d;
-      const float* keys = k_base + (slot_of[b] * kv_heads + h) * capacity * d;
-      const float* values = v_base + (slot_of[b] * kv_heads + h) * capacity * d;
+      const int64_t own = (slot_of[b] * kv_heads + h) * capacity * d, lead = (lead_of[b] * kv_heads + h) * capacity * d;
+      const HeadKV kv{k_base + lead, v_base + lead, k_base + own, v_base + own, split_of[b]};
       for (int64_t g = 0; g < group; ++g)
         rotate(qp + b * q.stride(0) + (h * group + g) * q.stride(1), cos_b, sin_b, queries.data() + g * d, d, scale);
 
       scores.resize(group * length);
-      for (int64_t j = 0; j < length; ++j) {
-        const float* key = keys + j * d;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* query = queries.data() + g * d;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < d; ++i) dot += query[i] * key[i];
-          scores[g * length + j] = dot;
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {  // softmax numerators, shifted by the row's max
-        float* row = scores.data() + g * length;
-        const float top = *std::max_element(row, row + length);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < length; ++j) {
-          row[j] = exp_simd(row[j] - top);
-          sum += row[j];
-        }
-        total[g] = sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < length; ++j) {
-        const float* value = values + j * d;
-        for (int64_t g = 0; g < group; ++g) {
-          const float weight = scores[g * length + j];
-          float* a = acc.data() + g * d;
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) a[i] += weight * value[i];
-        }
-      }
+      attend(queries.data(), group, kv, length, d, scores.data(), acc.data(), total.data());
       for (int64_t g = 0; g < group; ++g) {
         float* o = out_p + (b * heads + h * group + g) * d;
         const float inv = 1.f / total[g];
@@ -553,7 +703,8 @@ std::tuple<at::Tensor, at::Tensor> sample_tokens(const at::Tensor& logits, const
 
 TORCH_LIBRARY(art_cpu_kernels, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, Tensor slots, Tensor positions) -> Tensor");
+        "Tensor(b!) v_cache, Tensor slots, Tensor positions, Tensor? shared_slots=None, "
+        "Tensor? shared_lengths=None) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("sample_tokens(Tensor logits, Tensor temperature, Tensor uniform) -> (Tensor, Tensor)");

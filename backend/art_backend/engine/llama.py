@@ -366,13 +366,18 @@ class LeanLlama:
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, cache: KVCache,
-                lengths: Tensor, lora: list[LoraWeights | None] | None = None) -> Tensor:
+                lengths: Tensor, lora: list[LoraWeights | None] | None = None,
+                shared: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Run `tokens` [B, T] at `positions` [B, T], writing K/V into cache `slots` [B].
 
         `lengths` [B] is each row's total length after this call (attention spans
         positions < length, causally). Returns final hidden states [B, T, hidden]; use
         `logits()` on the rows needed. Rows of a multi-token call must share one slot range
         layout: row b attends to cache slot slots[b] only.
+        `shared` (slots [B], lengths [B]), one token per row: row b's slot holds the same first
+        lengths[b] keys and values as slot slots[b] (the same tokens and adapter); the fused
+        kernels read them there, where rows sharing them read them once from memory. The eager
+        ops read each row's own copy.
         """
         linears = self.linears
         if lora is not None and lora[0] is not None:
@@ -382,8 +387,10 @@ class LeanLlama:
         batch, steps = tokens.shape
         if self.kernels is not None:  # every token a row of the fused step
             rows = None if lora is None else self._adapter_rows([adapter for adapter in lora for _ in range(steps)])
+            if shared is not None and steps != 1:
+                raise ValueError(f"`shared` applies to one token per row; this call has {steps}")
             hidden = self._decode_fused(tokens.reshape(-1), positions.reshape(-1),
-                                        slots.repeat_interleave(steps), cache, linears, rows)
+                                        slots.repeat_interleave(steps), cache, linears, rows, shared)
             return hidden.view(batch, steps, -1)
         adapters = None if lora is None else self._adapter_rows(lora)
         x = F.embedding(tokens, self.embed)
@@ -420,19 +427,22 @@ class LeanLlama:
         return self._rms(x, self.norm)
 
     def _decode_fused(self, tokens: Tensor, positions: Tensor, slots: Tensor, cache: KVCache,
-                      linears: list[dict[str, FrozenLinear]], adapters: AdapterRows | None) -> Tensor:
+                      linears: list[dict[str, FrozenLinear]], adapters: AdapterRows | None,
+                      shared: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """`forward` for one token per row (`tokens`, `positions`, `slots` [N]), in 6 ops per layer."""
         kernels, batch = self.kernels, tokens.shape[0]
         x = F.embedding(tokens, self.embed)  # the residual stream [B, hidden], updated in place
         cos, sin = self.cos[positions], self.sin[positions]
         h = self._rms(x, self.norms[0]["ln1"])
         norms_after = [norms["ln1"] for norms in self.norms[1:]] + [self.norm]  # each layer's output norm
+        shared_slots, shared_lengths = shared if shared is not None else (None, None)
         for i, (norms, linear, norm_after) in enumerate(zip(self.norms, linears, norms_after)):
             qkv = self._project(h, linear["qkv"], i, "qkv", adapters).view(batch, -1, self.head_dim)
             q, k, v = qkv.split_with_sizes((self.n_heads, self.n_kv, self.n_kv), dim=1)
             if norms["q_norm"] is not None:
                 q, k = self._rms(q, norms["q_norm"]), self._rms(k, norms["k_norm"])
-            att = kernels.decode_attention(q, k, v, cos, sin, cache.k[i], cache.v[i], slots, positions)
+            att = kernels.decode_attention(q, k, v, cos, sin, cache.k[i], cache.v[i], slots, positions,
+                                           shared_slots, shared_lengths)
             h = kernels.add_rms_norm(x, self._project(att.view(batch, -1), linear["o"], i, "o", adapters),
                                      norms["ln2"], self.eps)
             up = kernels.silu_mul(self._project(h, linear["gate_up"], i, "gate_up", adapters))

@@ -55,6 +55,10 @@ logger = logging.getLogger(__name__)
 _MAX_CONTEXT = 8192
 
 
+# the fewest prompt tokens whose keys and values a sequence reads from another's slot
+_MIN_SHARED_KV = 64
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -87,6 +91,10 @@ class _Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     finish_reason: str | None = None
+    # an active sequence whose slot holds this one's first `shared` keys and values too (the
+    # same tokens, adapter and so numbers): decode steps read them there (`_shared_kv`)
+    leader: _Sequence | None = None
+    shared: int = 0
 
 
 @dataclass(frozen=True)
@@ -478,6 +486,9 @@ class TorchEngine:
                     self._cache.move(slot, slot + index, len(prompt))
                 self._active.append(_Sequence(request, index, list(prompt), [], rows, matcher, penalties))
         row_of_request = [row for row, (request, _) in enumerate(batch) for _ in range(request.spec.n)]
+        if self.lean.kernels is not None:
+            for seq in self._active[first_slot:]:
+                self._find_leader(seq)
         self._accept(self._active[first_slot:], logits[row_of_request])
 
     def _sampling_state(self, request: _Request, index: int) -> tuple[RowSampling, llguidance.LLMatcher | None,
@@ -521,6 +532,33 @@ class TorchEngine:
             self._cache.load(slot, entry.k, entry.v, best)
         return best
 
+    def _find_leader(self, seq: _Sequence) -> None:
+        """The active sequence sharing the longest start of `seq`'s prompt (and its adapter), at
+        least `_MIN_SHARED_KV` tokens, or none: a group's rollouts, and the requests that start
+        with the same system prompt and tools."""
+        seq.leader, seq.shared = None, 0
+        prompt = seq.ids[:-1]  # the last prompt token's keys are its own step's
+        for other in self._active:
+            if other is not seq and other.request.adapter is seq.request.adapter:
+                n = _common_prefix(other.ids[:-1], prompt)
+                if n >= _MIN_SHARED_KV and n > seq.shared:
+                    seq.leader, seq.shared = other, n
+
+    def _shared_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a decode step: each row's leader's slot and how many keys it reads there (its own
+        slot and 0 without one); a leader that has finished is replaced first."""
+        if self.lean.kernels is None:
+            return None
+        slot_of = {id(seq): slot for slot, seq in enumerate(self._active)}
+        slots, lengths = [], []
+        for slot, seq in enumerate(self._active):
+            if seq.leader is not None and id(seq.leader) not in slot_of:
+                self._find_leader(seq)
+            leader = seq.leader
+            slots.append(slot if leader is None else slot_of[id(leader)])
+            lengths.append(0 if leader is None else seq.shared)
+        return (torch.tensor(slots, device=self.device), torch.tensor(lengths, device=self.device))
+
     def _lora(self, adapters: list[LoraWeights | None]) -> list[LoraWeights | None] | None:
         return adapters if any(a is not None for a in adapters) else None
 
@@ -534,7 +572,7 @@ class TorchEngine:
         positions = torch.tensor([[n - 1] for n in lengths], device=self.device)
         hidden = self.lean.forward(tokens, positions, torch.arange(batch, device=self.device), self._cache,
                                    torch.tensor(lengths, device=self.device),
-                                   self._lora([s.request.adapter for s in active]))
+                                   self._lora([s.request.adapter for s in active]), self._shared_kv())
         self._accept(active, self.lean.logits(hidden[:, -1]))
 
     def _accept(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
