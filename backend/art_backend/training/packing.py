@@ -19,6 +19,8 @@ the token budget:
         logits = model(input_ids=batch.token_ids, position_ids=batch.positions,
                        attention_mask=batch.attention_bias(dtype)).logits    # [B, L, vocab]
         logp_new = log_softmax(logits / T)[batch.term_rows, batch.term_positions, batch.term_targets]
+
+(On CPU the trainer computes that masked attention per segment of the tree: tree_attention.py.)
 """
 
 from __future__ import annotations

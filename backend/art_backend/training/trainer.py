@@ -10,6 +10,7 @@ serving model; the vLLM engine gives it a copy (`load_trainable_model`), from Un
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import math
@@ -31,6 +32,7 @@ from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.loss import LossConfig, LossTerms, policy_loss
 from art_backend.training.packing import PackedBatch, pack, padded_batches
 from art_backend.training.tokenize import TrainSequence
+from art_backend.training.tree_attention import tree_attention_for, tree_layout
 from art_integrations.training import LoraConfig, TrainConfig
 
 
@@ -118,7 +120,9 @@ class LoraTrainer:
     def __init__(self, model: PreTrainedModel, first_adapter: FirstAdapter = _peft_first_adapter,
                  packing: bool = True, cpu_kernels: Any | None = None) -> None:
         """`packing`: run each step's sequences as prefix trees (packing.py), which takes a model
-        whose attention applies a 4D mask as given (transformers' SDPA and eager attention do).
+        whose attention goes through transformers' attention interface: on CPU it attends per
+        tree segment (tree_attention.py), elsewhere with the row's 4D mask as given (SDPA and
+        eager attention apply it).
         `cpu_kernels` (`load_cpu_kernels()`, on CPU): a step reuses the host memory it frees."""
         return_freed_memory_to_os()  # else the process keeps each step's peak (host_memory.py)
         self.cpu_kernels = cpu_kernels
@@ -252,16 +256,25 @@ class LoraTrainer:
         """Prefix-tree rows (see packing.py): each trained token's logits come from the one copy
         of its context; features only at the positions some term needs."""
         keep, term_index = torch.unique(batch.term_positions, return_inverse=True)
-        inputs = {"input_ids": batch.token_ids.to(self.device), "position_ids": batch.positions.to(self.device),
-                  "attention_mask": batch.attention_bias(self.base.dtype).to(self.device), "use_cache": False}
+        inputs: dict[str, Any] = {"input_ids": batch.token_ids.to(self.device),
+                                  "position_ids": batch.positions.to(self.device), "use_cache": False}
+        attention: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if self.device.type == "cpu" and getattr(self.base, "_supports_attention_backend", False):
+            # only the (query, key) pairs of each token's path (tree_attention.py); a model whose
+            # attention transformers cannot swap (custom code) keeps the mask
+            inputs["tree_layout"] = tree_layout(batch.parents, batch.token_ids.shape[1], self.device)
+            attention = tree_attention_for(self.base)
+        else:  # one masked call a layer: per-segment calls on a GPU are not measured yet
+            inputs["attention_mask"] = batch.attention_bias(self.base.dtype).to(self.device)
         keep, rows, term_index = keep.to(self.device), batch.term_rows.to(self.device), term_index.to(self.device)
 
         def features() -> torch.Tensor:
             return self._features(inputs, keep)[rows, term_index]
 
         weights = batch.term_weights / total_weight
-        return self._loss_backward(features, *(x.to(self.device) for x in (
-            batch.term_targets, batch.term_rollout_logprobs, batch.term_advantages, weights)), config, losses)
+        with attention:
+            return self._loss_backward(features, *(x.to(self.device) for x in (
+                batch.term_targets, batch.term_rollout_logprobs, batch.term_advantages, weights)), config, losses)
 
     def _features(self, inputs: dict[str, torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
         """What the output head turns into logits, at the positions `keep` of each row: the decoder's
