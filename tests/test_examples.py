@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -131,3 +133,20 @@ def test_the_job_says_so_after_three_steps_without_signal(tmp_path: Path, capsys
     assert len(steps) == 4 and all("groups trained 0/1, policy entropy n/a" in line for line in steps)
     notes = [line for line in lines if line.startswith("No group has had signal")]
     assert notes == [no_signal_note(3, 3)] and lines.index(notes[0]) == lines.index(steps[2]) + 1
+
+
+def test_probe_samples_an_example_group_by_group_and_repeats(tmp_path: Path) -> None:
+    args = ["email_search", "--model", "tiny-random-smollm2", "--scenarios", "2", "--rollouts", "2",
+            "--temperatures", "1.0", "0", "--show", "--art-dir", str(tmp_path)]
+    out = run_example("examples.probe", *args)
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| temperature | rollouts | reward |") and "answer_right" in table[0]
+    sampled, greedy = (line.split(" | ") for line in table[2:])
+    assert sampled[:2] == ["| 1", "4"] and sampled[-1].endswith("/2 |")  # 2 groups of 2
+    assert greedy[:2] == ["| 0", "2"] and greedy[-1] == "- |"  # greedy: one rollout a scenario, no groups
+    assert sum(line.startswith("  ") and "search_inbox(" in line for line in out.splitlines()) == 6
+    assert run_example("examples.probe", *args) == out  # every rollout is seeded
+
+    refused = subprocess.run([sys.executable, "-m", "examples.probe", "no_such_example"], capture_output=True,
+                             text=True, cwd=Path(__file__).parent.parent)
+    assert refused.returncode == 2 and "no example 'no_such_example'" in refused.stderr
