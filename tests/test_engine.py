@@ -449,9 +449,10 @@ async def test_rows_reading_a_shared_prompt_start_decode_as_with_their_own_copie
     # numbers there are the same, so every token and logprob must be too, to the bit, also after
     # the sequence they read from has finished (the first stops after 3 tokens)
     engine = TorchEngine(embedded_model_dir, prefix_cache_bytes=0)
-    if engine.lean.kernels is None:
+    if not engine._shares_prompt_kv:  # where a compiler exists, the kernels must build
+        assert engine.lean.kernels is not None or not shutil.which("c++")
         await engine.close()
-        pytest.skip("decode steps read a shared prompt start only with the fused kernels")
+        pytest.skip("decode steps read a shared prompt start only with the fused kernels built for AVX-512")
     try:
         story = "Here is a story about a lighthouse keeper who counts the ships that pass each night. " * 4
         requests = [GenerationRequest(_prompt(engine, story + ending),
