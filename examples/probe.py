@@ -19,19 +19,15 @@ import json
 import statistics
 from dataclasses import replace
 
-from art_integrations import Choice, TrainableModel, Trajectory
+from art_integrations import TrainableModel, Trajectory
 
 from examples.runner import Example, Policy, open_backend, rollout_seed
 
 
 def tool_calls(trajectory: Trajectory) -> list[str]:
     """`name(arguments)` of each tool call the model made, in order."""
-    calls = []
-    for item in trajectory.messages_and_choices:
-        message = item.message if isinstance(item, Choice) else item
-        for call in message.get("tool_calls") or []:
-            calls.append(f"{call['function']['name']}({call['function']['arguments']})")
-    return calls
+    return [f"{call['function']['name']}({call['function']['arguments']})"
+            for message in trajectory.messages() for call in message.get("tool_calls") or []]
 
 
 async def sample(example: Example, policy: Policy, args: argparse.Namespace) -> list[list[Trajectory]]:
@@ -96,9 +92,12 @@ def main() -> None:
         parser.error(f"no example {args.example!r} ({error}); pass a folder of examples/, e.g. email_search")
     if any(t < 0 for t in args.temperatures or ()):
         parser.error("--temperatures must be 0 (greedy) or more")
+    for name in ("scenarios", "rollouts", "max_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be 1 or more")
     args.temperatures = args.temperatures or [example.temperature]
-    args.rollouts = args.rollouts or example.rollouts
-    args.max_tokens = args.max_tokens or example.max_tokens
+    args.rollouts = args.rollouts if args.rollouts is not None else example.rollouts
+    args.max_tokens = args.max_tokens if args.max_tokens is not None else example.max_tokens
     args.backend_url = None
     asyncio.run(probe(example, args))
 

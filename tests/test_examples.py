@@ -150,3 +150,6 @@ def test_probe_samples_an_example_group_by_group_and_repeats(tmp_path: Path) -> 
     refused = subprocess.run([sys.executable, "-m", "examples.probe", "no_such_example"], capture_output=True,
                              text=True, cwd=Path(__file__).parent.parent)
     assert refused.returncode == 2 and "no example 'no_such_example'" in refused.stderr
+    refused = subprocess.run([sys.executable, "-m", "examples.probe", "email_search", "--rollouts", "0"],
+                             capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    assert refused.returncode == 2 and "--rollouts must be 1 or more" in refused.stderr
