@@ -452,7 +452,7 @@ async def test_rows_reading_a_shared_prompt_start_decode_as_with_their_own_copie
     if not engine._shares_prompt_kv:  # where a compiler exists, the kernels must build
         assert engine.lean.kernels is not None or not shutil.which("c++")
         await engine.close()
-        pytest.skip("decode steps read a shared prompt start only with the fused kernels built for AVX-512")
+        pytest.skip("decode steps read a shared prompt start only with the fused CPU kernels")
     try:
         story = "Here is a story about a lighthouse keeper who counts the ships that pass each night. " * 4
         requests = [GenerationRequest(_prompt(engine, story + ending),

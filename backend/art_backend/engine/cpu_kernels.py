@@ -62,7 +62,10 @@ def load_cpu_kernels() -> Any | None:
     from torch.utils.cpp_extension import load  # imports setuptools: only when serving on CPU
 
     capability = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", "-fopenmp", "-fno-trapping-math", *_VECTOR_FLAGS.get(capability, [])]
+    # -fno-split-loops: GCC splits a row's loop over keys at its shared length (`HeadKV`) and
+    # vectorizes the two halves differently, so on AVX2 reading a shared prompt start from another
+    # slot gave other last bits than reading the row's own copy of the same numbers
+    flags = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-split-loops", *_VECTOR_FLAGS.get(capability, [])]
     name = f"art_cpu_kernels_{capability.lower()}"
     started = time.perf_counter()
     try:

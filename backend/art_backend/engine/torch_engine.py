@@ -171,10 +171,8 @@ class TorchEngine:
         self.lean = LeanLlama(self.model, self.max_model_len,
                               dtype=None if self.device.type == "cuda" else getattr(torch, dtype),
                               fused_kernels=cpu_kernels)
-        # Decode steps read a shared prompt start from another row's slot only where that copy was
-        # shown to hold the same numbers as the row's own: on AVX2 builds the two differ in the
-        # last bits (the logprobs of tests/test_engine.py's shared-start test then differ by ~2e-6).
-        self._shares_prompt_kv = self.lean.kernels is not None and torch.backends.cpu.get_cpu_capability() == "AVX512"
+        # decode steps read a group's shared prompt start from one slot: a fused-kernel path
+        self._shares_prompt_kv = self.lean.kernels is not None
         self.stop_ids = end_of_turn_ids(self.tokenizer, self.model.generation_config.eos_token_id)
         # merged copies only at full precision (in bf16 a small W + B A delta would round away) and
         # over float32 layouts: exact integer groups plus the unmerged delta decode faster than a
