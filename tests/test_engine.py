@@ -157,6 +157,33 @@ def test_decode_attention_matches_attention_in_float64(heads: int, kv_heads: int
     torch.testing.assert_close(k_cache, want_keys.float(), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (6, 2, 32), (5, 5, 48)])
+def test_decode_attention_reads_a_shared_start_as_its_own_copy_to_the_bit(heads: int, kv_heads: int, dim: int) -> None:
+    # every slot holds the same first 90 keys and values; reading them from slot 0, or from the
+    # row's own slot through the shared path, must give the bits of reading them as the row's own
+    # (GCC once split the loop over keys at the shared length and vectorized the halves apart)
+    kernels = _kernels_or_skip()
+    generator = torch.Generator().manual_seed(1)
+    rows, shared = 4, 90
+    k_cache = torch.randn(1, kv_heads, 128, dim, generator=generator).repeat(rows, 1, 1, 1)
+    v_cache = torch.randn(1, kv_heads, 128, dim, generator=generator).repeat(rows, 1, 1, 1)
+    k_cache[1:, :, shared:] = torch.randn(rows - 1, kv_heads, 128 - shared, dim, generator=generator)
+    v_cache[1:, :, shared:] = torch.randn(rows - 1, kv_heads, 128 - shared, dim, generator=generator)
+    q, k, v = (torch.randn(rows, n, dim, generator=generator) for n in (heads, kv_heads, kv_heads))
+    angles = torch.randn(rows, dim // 2, generator=generator)
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    slots, positions = torch.arange(rows), torch.tensor([101, 103, 99, 100])
+    lengths = torch.tensor([0] + [shared] * (rows - 1))
+
+    def attend(*shared_kv: torch.Tensor) -> torch.Tensor:
+        return kernels.decode_attention(q, k, v, cos, sin, k_cache.clone(), v_cache.clone(), slots, positions,
+                                        *shared_kv)
+
+    own = attend()
+    assert torch.equal(attend(torch.zeros(rows, dtype=torch.long), lengths), own)  # from the leader's slot
+    assert torch.equal(attend(slots.clone(), lengths), own)  # the row's own slot, through the shared path
+
+
 def _random_lora(lean: LeanLlama, modules: list[str], seed: int) -> LoraWeights:
     """Random rank-4 A and B for `modules` in every layer, fused as `TorchEngine` fuses a peft adapter."""
     generator = torch.Generator().manual_seed(seed)
