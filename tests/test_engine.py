@@ -136,6 +136,14 @@ def _attention_in_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     return out, k_cache
 
 
+def _decode_inputs(rows: int, heads: int, kv_heads: int, dim: int,
+                   generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Random q, k, v of one decode step and the rotary cos and sin of each row's position."""
+    q, k, v = (torch.randn(rows, n, dim, generator=generator) for n in (heads, kv_heads, kv_heads))
+    angles = torch.randn(rows, dim // 2, generator=generator)
+    return q, k, v, torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+
+
 # head sizes of 16 to 128 take the vector path (its 16-key blocks, its last partial block, 1 to
 # 12 queries weighed at once); 48 takes the portable loops
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 16), (14, 2, 64), (16, 8, 128),
@@ -148,9 +156,7 @@ def test_decode_attention_matches_attention_in_float64(heads: int, kv_heads: int
     rows = len(positions)
     k_cache = torch.randn(8, kv_heads, 128, dim, generator=generator)
     v_cache = torch.randn(8, kv_heads, 128, dim, generator=generator)
-    q, k, v = (torch.randn(rows, n, dim, generator=generator) for n in (heads, kv_heads, kv_heads))
-    angles = torch.randn(rows, dim // 2, generator=generator)
-    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    q, k, v, cos, sin = _decode_inputs(rows, heads, kv_heads, dim, generator)
     want, want_keys = _attention_in_float64(q, k, v, cos, sin, k_cache, v_cache, slots, positions)
     got = kernels.decode_attention(q, k, v, cos, sin, k_cache, v_cache, slots, positions)
     torch.testing.assert_close(got, want.float(), atol=2e-6, rtol=1e-5)
@@ -169,9 +175,7 @@ def test_decode_attention_reads_a_shared_start_as_its_own_copy_to_the_bit(heads:
     v_cache = torch.randn(1, kv_heads, 128, dim, generator=generator).repeat(rows, 1, 1, 1)
     k_cache[1:, :, shared:] = torch.randn(rows - 1, kv_heads, 128 - shared, dim, generator=generator)
     v_cache[1:, :, shared:] = torch.randn(rows - 1, kv_heads, 128 - shared, dim, generator=generator)
-    q, k, v = (torch.randn(rows, n, dim, generator=generator) for n in (heads, kv_heads, kv_heads))
-    angles = torch.randn(rows, dim // 2, generator=generator)
-    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    q, k, v, cos, sin = _decode_inputs(rows, heads, kv_heads, dim, generator)
     slots, positions = torch.arange(rows), torch.tensor([101, 103, 99, 100])
     lengths = torch.tensor([0] + [shared] * (rows - 1))
 
@@ -476,7 +480,7 @@ async def test_rows_reading_a_shared_prompt_start_decode_as_with_their_own_copie
     # numbers there are the same, so every token and logprob must be too, to the bit, also after
     # the sequence they read from has finished (the first stops after 3 tokens)
     engine = TorchEngine(embedded_model_dir, prefix_cache_bytes=0)
-    if not engine._shares_prompt_kv:  # where a compiler exists, the kernels must build
+    if engine.lean.kernels is None:  # where a compiler exists, the kernels must build
         assert engine.lean.kernels is not None or not shutil.which("c++")
         await engine.close()
         pytest.skip("decode steps read a shared prompt start only with the fused CPU kernels")

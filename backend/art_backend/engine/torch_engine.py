@@ -171,8 +171,6 @@ class TorchEngine:
         self.lean = LeanLlama(self.model, self.max_model_len,
                               dtype=None if self.device.type == "cuda" else getattr(torch, dtype),
                               fused_kernels=cpu_kernels)
-        # decode steps read a group's shared prompt start from one slot: a fused-kernel path
-        self._shares_prompt_kv = self.lean.kernels is not None
         self.stop_ids = end_of_turn_ids(self.tokenizer, self.model.generation_config.eos_token_id)
         # merged copies only at full precision (in bf16 a small W + B A delta would round away) and
         # over float32 layouts: exact integer groups plus the unmerged delta decode faster than a
@@ -488,7 +486,7 @@ class TorchEngine:
                     self._cache.move(slot, slot + index, len(prompt))
                 self._active.append(_Sequence(request, index, list(prompt), [], rows, matcher, penalties))
         row_of_request = [row for row, (request, _) in enumerate(batch) for _ in range(request.spec.n)]
-        if self._shares_prompt_kv:
+        if self.lean.kernels is not None:
             for seq in self._active[first_slot:]:
                 self._find_leader(seq)
         self._accept(self._active[first_slot:], logits[row_of_request])
@@ -549,7 +547,7 @@ class TorchEngine:
     def _shared_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For a decode step: each row's leader's slot and how many keys it reads there (its own
         slot and 0 without one); a leader that has finished is replaced first."""
-        if not self._shares_prompt_kv:
+        if self.lean.kernels is None:
             return None
         slot_of = {id(seq): slot for slot, seq in enumerate(self._active)}
         slots, lengths = [], []
