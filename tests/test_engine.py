@@ -21,7 +21,7 @@ from art_backend.engine.base import GenerationRequest, ModelNotServedError, Samp
 from art_backend.engine.cpu_kernels import build_directory, load_cpu_kernels, vector_build
 from art_backend.engine.exact_groups import as_exact_groups
 from art_backend.engine.llama import KV_GROWTH_TOKENS, LORA_TARGETS, PROJECTIONS, KVCache, LeanLlama, LoraWeights
-from art_backend.engine.sampling import RowSampling, sample
+from art_backend.engine.sampling import RowSampling, gumbel_argmax, sample
 from art_backend.engine.torch_engine import TorchEngine
 from tests.conftest import random_adapter
 
@@ -298,6 +298,28 @@ def test_fused_sampling_draws_what_the_torch_sampler_draws() -> None:
     assert fused.logprobs == pytest.approx(plain.logprobs, abs=1e-4)
     assert len(set(fused.token_ids[1::4])) > 8  # sampled rows really draw (not all argmax)
 
+
+
+def test_the_gumbel_kernel_draws_what_the_torch_reference_draws() -> None:
+    kernels = _kernels_or_skip()
+    torch.manual_seed(0)
+    for vocab in (5, 49152):
+        scaled = torch.randn(48, vocab) * 4
+        scaled[::3, vocab // 2:] = float("-inf")  # rows under a grammar
+        seeds = torch.randint(0, 2**31, (48,))
+        drawn = kernels.gumbel_argmax(scaled, seeds)
+        assert torch.equal(drawn, gumbel_argmax(scaled, seeds))
+        assert bool((drawn[::3] < vocab // 2).all())
+        assert len(set(drawn.tolist())) > 2
+
+
+def test_the_gumbel_draw_samples_the_softmax() -> None:
+    torch.manual_seed(0)
+    scaled = torch.randn(10) * 1.5
+    draws = 100_000
+    drawn = gumbel_argmax(scaled.expand(draws, 10), torch.arange(draws) * 7 + 13)
+    frequencies = torch.bincount(drawn, minlength=10) / draws
+    assert float((frequencies - scaled.softmax(dim=-1)).abs().max()) < 0.01
 
 
 def test_a_rows_draw_does_not_depend_on_what_the_rows_beside_it_ask_for() -> None:

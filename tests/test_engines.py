@@ -23,7 +23,7 @@ from art_backend.app import build_engine, choose_engine
 from art_backend.chat_format import ChatFormatter, encode_prompt
 from art_backend.config import BackendSettings
 from art_backend.engine.base import Engine, GenerationRequest, ModelNotServedError, SamplingParams
-from art_backend.engine.sampling import Penalties, RowSampling, truncate
+from art_backend.engine.sampling import Penalties, RowSampling, gumbel_argmax, truncate
 from art_backend.grammar import json_grammar
 from art_integrations import LocalBackend
 from art_integrations.training import LoraConfig
@@ -113,6 +113,48 @@ async def test_a_seed_reproduces_sampling_and_n_samples_differ(engine: Engine) -
     a, b = await _run(engine, request), await _run(engine, request)
     assert [a[i]["ids"] for i in range(3)] == [b[i]["ids"] for i in range(3)]
     assert len({tuple(a[i]["ids"]) for i in range(3)}) > 1
+
+
+def _vllm_on_cpu() -> None:
+    pytest.importorskip("vllm", reason="vLLM is not installed in this venv")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's GPU sampler draws other noise (its generator's exponentials): seeds match on CPU only")
+    current_platform.import_kernels()
+
+
+@pytest.mark.vllm
+def test_the_gumbel_draw_is_vllms_cpu_samplers() -> None:
+    _vllm_on_cpu()
+    torch.manual_seed(0)
+    for vocab in (7, 49152):
+        scaled = torch.randn(128, vocab) * 3
+        scaled[::4, 3:] = float("-inf")
+        seeds = torch.randint(0, 2**31, (128,))
+        assert torch.equal(torch.ops._C.fused_gumbel_argmax(scaled, seeds), gumbel_argmax(scaled, seeds))
+
+
+@pytest.mark.vllm
+async def test_a_seeded_request_samples_the_same_tokens_on_both_engines(embedded_engine: Engine,
+                                                                       embedded_vllm_engine: Engine) -> None:
+    """Both engines draw vLLM's CPU Gumbel-max noise from the request's seed (sampling.py), so a
+    seeded run repeats on the other engine token for token (up to near-ties in the logits)."""
+    _vllm_on_cpu()
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    grammar = json_grammar({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    requests = [
+        GenerationRequest(_prompt(embedded_engine, "Tell me a story about a cat."),
+                          SamplingParams(max_tokens=24, temperature=0.8, seed=11), n=3),
+        GenerationRequest(_prompt(embedded_engine, "Name a city."),
+                          SamplingParams(max_tokens=16, temperature=1.0, seed=5, grammar=grammar)),
+    ]
+    for request in requests:
+        torch_ids = [s["ids"] for _, s in sorted((await _run(embedded_engine, request)).items())]
+        vllm_ids = [s["ids"] for _, s in sorted((await _run(embedded_vllm_engine, request)).items())]
+        assert torch_ids == vllm_ids
+        assert len({tuple(ids) for ids in torch_ids}) == len(torch_ids)  # n samples differ
 
 
 async def test_a_stop_string_cuts_the_text(engine: Engine) -> None:

@@ -8,6 +8,9 @@ Per row, in vLLM's order, so both engines sample and report alike:
     2. divided by the temperature (0: greedy, taken at temperature 1)
     3. truncated, sampled rows only: min-p (tokens below min_p times the top probability),
        top-k, then top-p (the smallest set of the most likely tokens holding `top_p` of the mass)
+    4. drawn as vLLM's CPU sampler draws (`gumbel_argmax`): the argmax of the result plus Gumbel
+       noise that the row's seed fixes, so a seeded request samples the same tokens on both
+       engines (on CPU: vLLM's GPU sampler draws other noise)
 The reported logprob is log softmax of that: the distribution the token was drawn from,
 which the trainer's importance ratio compares its own policy with. A grammar's mask is not in
 it: a row under a grammar reports the model's own distribution after steps 1 and 2 (so a token
@@ -17,7 +20,7 @@ the grammar forces shows what the policy thought of it, and the policy learns th
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,17 +110,50 @@ def truncate(scaled: Tensor, rows: list[RowSampling]) -> Tensor:
     return torch.empty_like(scaled).scatter_(-1, order, ascending)
 
 
-def _uniforms(rows: list[RowSampling], device: torch.device) -> Tensor:
-    """One uniform draw in [0, 1) per sampled row, from the row's own generator when seeded; 0
-    for greedy rows."""
-    uniform = torch.zeros(len(rows), device=device)
+def _seeds(rows: list[RowSampling], device: torch.device) -> Tensor:
+    """Each sampled row's seed for this step's draw, as vLLM's CPU sampler takes it: the next
+    randint(0, 2^31) of the row's own generator when seeded, else of torch's; 0 for greedy rows."""
+    seeds = torch.zeros(len(rows), dtype=torch.long)
     unseeded = [i for i, r in enumerate(rows) if r.temperature > 0 and r.generator is None]
     if unseeded:
-        uniform[unseeded] = torch.rand(len(unseeded), device=device)
+        seeds[unseeded] = torch.randint(0, 2**31, (len(unseeded),), dtype=torch.long)
     for i, row in enumerate(rows):
         if row.temperature > 0 and row.generator is not None:
-            uniform[i] = torch.rand((), device=device, generator=row.generator)
-    return uniform
+            seeds[i] = int(torch.randint(0, 2**31, (1,), generator=row.generator, device=row.generator.device))
+    return seeds.to(device)
+
+
+# The Gumbel-max draw of vLLM's CPU sampler, in torch ops (the fused kernels' `gumbel_argmax` is
+# its fast twin): token i of a row with seed s gets the noise g_i = -log(-log u_i), with u_i from
+# SplitMix64 of (s, i), and the row draws argmax_i scaled_i + g_i, in float64. A seeded request
+# then samples the same tokens here as on the vLLM engine.
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _int64(value: int) -> int:
+    """A uint64 constant as the int64 with its bits (torch has no uint64 arithmetic; int64 wraps alike)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(x: Tensor, bits: int) -> Tensor:
+    """The logical right shift of int64 tensors holding uint64 bits."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64(z: Tensor) -> Tensor:
+    z = (z ^ _shift_right(z, 30)) * _int64(0xBF58476D1CE4E5B9)
+    z = (z ^ _shift_right(z, 27)) * _int64(0x94D049BB133111EB)
+    return z ^ _shift_right(z, 31)
+
+
+def gumbel_argmax(scaled: Tensor, seeds: Tensor) -> Tensor:
+    """`scaled` [B, vocab] (logits over temperature, -inf where masked), `seeds` [B] int64 -> the
+    token each row draws with its seed."""
+    index = torch.arange(1, scaled.shape[-1] + 1, dtype=torch.long, device=scaled.device)
+    key = _splitmix64(seeds.to(scaled.device))[:, None]
+    bits = _shift_right(_splitmix64(key + index * _int64(_GOLDEN)), 11)
+    uniform = (bits.double() + 0.5) * 2.0**-53
+    return (scaled.double() - torch.log(-torch.log(uniform))).argmax(dim=-1)
 
 
 def _take_rows(block: Tensor, rows: list[int]) -> Tensor:
@@ -132,20 +168,21 @@ def sample(logits: Tensor, rows: list[RowSampling], allowed: Tensor | None = Non
     grammar that masks tokens at this step. Which way a row goes depends on that row alone: the two
     ways round differently, and a seeded request must draw alike whatever rows share its step."""
     if kernels is None:
-        return _sample_eager(logits, rows, allowed)
+        return _sample_eager(logits, rows, allowed, gumbel_argmax)
     masked = [False] * len(rows) if allowed is None else (~allowed.all(dim=-1)).tolist()
     plain = [not (r.truncates or r.top_logprobs or m) for r, m in zip(rows, masked)]
     fused = [i for i, p in enumerate(plain) if p]
     eager = [i for i, p in enumerate(plain) if not p]
     if not fused:
-        return _sample_eager(logits, rows, allowed)
+        return _sample_eager(logits, rows, allowed, kernels.gumbel_argmax)
     fused_rows = [rows[i] for i in fused]
     temperature = torch.tensor([float(r.temperature) for r in fused_rows], device=logits.device)
     tokens, chosen = kernels.sample_tokens(_take_rows(logits, fused).contiguous(), temperature,
-                                           _uniforms(fused_rows, logits.device))
+                                           _seeds(fused_rows, logits.device))
     if not eager:
         return Sampled(tokens.tolist(), chosen.tolist(), [[] for _ in rows])
-    rest = _sample_eager(logits[eager], [rows[i] for i in eager], None if allowed is None else allowed[eager])
+    rest = _sample_eager(logits[eager], [rows[i] for i in eager], None if allowed is None else allowed[eager],
+                         kernels.gumbel_argmax)
     out = Sampled([0] * len(rows), [0.0] * len(rows), [[] for _ in rows])
     for i, token, logprob in zip(fused, tokens.tolist(), chosen.tolist()):
         out.token_ids[i], out.logprobs[i] = token, logprob
@@ -154,11 +191,12 @@ def sample(logits: Tensor, rows: list[RowSampling], allowed: Tensor | None = Non
     return out
 
 
-def _sample_eager(logits: Tensor, rows: list[RowSampling], allowed: Tensor | None) -> Sampled:
-    """`sample` in torch ops: every row, whatever it asks for."""
+def _sample_eager(logits: Tensor, rows: list[RowSampling], allowed: Tensor | None,
+                  draw: Callable[[Tensor, Tensor], Tensor]) -> Sampled:
+    """`sample` in torch ops but `draw` (`gumbel_argmax` or its kernel): every row, whatever it asks for."""
     device = logits.device
     temperature = torch.tensor([float(r.temperature) for r in rows], device=device)
-    uniform = _uniforms(rows, device)
+    seeds = _seeds(rows, device)
     truncated_rows = [i for i, r in enumerate(rows) if r.truncates]
     scaled = logits / torch.where(temperature == 0, 1.0, temperature)[:, None]
     drawn = scaled if allowed is None else scaled.masked_fill(~allowed, float("-inf"))
@@ -179,10 +217,7 @@ def _sample_eager(logits: Tensor, rows: list[RowSampling], allowed: Tensor | Non
         tokens[greedy_rows] = _take_rows(drawn_logprobs, greedy_rows).argmax(dim=-1)
     sampled_rows = [i for i, r in enumerate(rows) if r.temperature > 0]
     if sampled_rows:
-        # inverse-CDF sampling: one batched searchsorted instead of a multinomial call per row
-        cdf = _take_rows(drawn_logprobs, sampled_rows).exp().cumsum(dim=-1)
-        picked = torch.searchsorted(cdf, (uniform[sampled_rows] * cdf[:, -1])[:, None], right=True)[:, 0]
-        tokens[sampled_rows] = picked.clamp_(max=cdf.shape[-1] - 1)
+        tokens[sampled_rows] = draw(_take_rows(drawn, sampled_rows).contiguous(), _take_rows(seeds, sampled_rows))
 
     chosen = reported.gather(1, tokens[:, None])[:, 0].clamp(min=LOWEST_LOGPROB)
     top: list[list[tuple[int, float]]] = [[] for _ in rows]

@@ -11,6 +11,7 @@ serving model; the vLLM engine gives it a copy (`load_trainable_model`), from Un
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import logging
 import math
@@ -104,6 +105,12 @@ def output_head(model: PreTrainedModel) -> torch.nn.Module:
     return head
 
 
+def _init_seed(model_name: str) -> int:
+    """The seed of a new adapter's random A matrices: from the model's name alone, so a run starts
+    from the same adapter whatever else its process drew before and whichever engine serves it."""
+    return int.from_bytes(hashlib.sha256(model_name.encode()).digest()[:8], "little") >> 1
+
+
 def _adapter_key(model_name: str) -> str:
     # peft adapter names become module attribute names: keep them identifier-like
     return "m_" + re.sub(r"\W", "_", model_name)
@@ -142,10 +149,12 @@ class LoraTrainer:
             config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=lora.target_modules,
                                     lora_dropout=0.0, task_type="CAUSAL_LM")
             key = _adapter_key(model_name)
-            if self.peft is None:
-                self.peft, key = self.first_adapter(self.base, config, key)
-            else:
-                self.peft.add_adapter(key, config)
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                torch.manual_seed(_init_seed(model_name))
+                if self.peft is None:
+                    self.peft, key = self.first_adapter(self.base, config, key)
+                else:
+                    self.peft.add_adapter(key, config)
             self.keys[model_name] = key
         assert self.peft is not None
         self.peft.set_adapter(key)
