@@ -2,11 +2,10 @@
 //
 // At decode batch sizes the step's matmuls stream their weights at the memory-bandwidth limit;
 // what is left between them is ~20 small torch ops per layer, each a dispatch and a pass over
-// memory. Three ops here replace them, a fourth draws the next tokens (a fifth, the draw alone), a sixth multiplies
-// weights stored as exact integer groups, which cuts the bytes those matmuls stream, and a seventh
-// adds a LoRA adapter's delta row by row. Built by
-// cpu_kernels.py; each has an eager twin (llama.py, sampling.py, float64) that the tests compare
-// it with.
+// memory. Three ops here replace them, a fourth draws the next tokens (a fifth, the draw alone),
+// a sixth multiplies weights stored as exact integer groups, which cuts the bytes those matmuls
+// stream, and a seventh adds a LoRA adapter's delta row by row. Built by cpu_kernels.py; each has
+// an eager twin (llama.py, sampling.py, float64) that the tests compare it with.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -655,7 +654,8 @@ inline double noise_uniform(uint64_t key, int64_t i) {
 }
 
 // The argmax above, evaluating the two logs for few tokens. `weights[i]` ~ exp(scaled_i -
-// scaled_top) (0 where masked), `top` a token of the largest scaled logit. Its total
+// scaled_top) (~0 where masked: such a token, if evaluated, totals -inf), `top` a token of the
+// largest scaled logit. Its total
 // B = scaled_top + g_top is reached, so a winner i has g_i >= B - scaled_i, that is
 // -log u_i <= exp(scaled_i - B) = weights[i] exp(-g_top); and as -log u >= 1 - u, a token with
 // 1 - u_i above that (with a margin for the weights' rounding) cannot win. Every other token is
@@ -701,7 +701,7 @@ at::Tensor gumbel_argmax(const at::Tensor& scaled, const at::Tensor& seeds) {
         continue;
       }
 #pragma omp simd
-      for (int64_t j = 0; j < vocab; ++j) weights[j] = row[j] == -std::numeric_limits<float>::infinity() ? 0.f : exp_simd(row[j] - peak);
+      for (int64_t j = 0; j < vocab; ++j) weights[j] = exp_simd(row[j] - peak);
       token_p[b] = gumbel_argmax_row([row](int64_t i) { return row[i]; }, weights.data(), vocab, top,
                                      static_cast<uint64_t>(seed_p[b]));
     }
