@@ -97,6 +97,7 @@ class Example:
     held_out: int = 12
     learning_rate: float = 1e-3
     temperature: float = 1.0  # training rollouts are sampled at this (held-out scoring is greedy)
+    scale_rewards: bool = True  # divide each group's advantages by its reward std
     max_tokens: int = 64
 
 
@@ -246,7 +247,8 @@ async def train(example: Example, args: argparse.Namespace) -> None:
                 max_exceptions=0.1, after_each=after_each, progress=False)
             called = time.perf_counter()
             result = await model.train(groups, TrainConfig(learning_rate=args.learning_rate,
-                                                           temperature=args.temperature))
+                                                           temperature=args.temperature,
+                                                           scale_rewards=args.scale_rewards))
             print(step_line(example, step + 1, args.steps, result.metrics, len(groups) + len(groups.dropped))
                   + f", train() returned in {time.perf_counter() - called:.2f} s", flush=True)
             quiet_steps = 0 if result.metrics.get("groups/trained") else quiet_steps + 1
@@ -280,6 +282,9 @@ def train_main(example: Example, description: str | None = None) -> None:
     parser.add_argument("--learning-rate", type=float, default=example.learning_rate)
     parser.add_argument("--temperature", type=float, default=example.temperature,
                         help="sampling temperature of training rollouts")
+    parser.add_argument("--scale-rewards", action=argparse.BooleanOptionalAction, default=example.scale_rewards,
+                        help="divide each group's advantages by its reward std (--no-scale-rewards: reward minus "
+                        "the group's mean, so a group's weight grows with how far its rewards differ)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default=None, help=f"model name (default: {example.model_prefix}-s<seed>)")
     parser.add_argument("--ruler", action="store_true", help="score groups with RULER instead of the task's reward "

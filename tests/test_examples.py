@@ -29,6 +29,8 @@ def test_city_facts_main_job_runs_a_step_and_resumes(tmp_path: Path, tiny_engine
     assert (model_dir / "learning_curve.png").stat().st_size > 1000
     assert (model_dir / "history.jsonl").is_file()
     assert (model_dir / "checkpoints" / "0001").is_dir()  # a step, even where the rollouts all scored alike
+    trained = [json.loads(line) for line in (model_dir / "history.jsonl").read_text().splitlines()][1]
+    assert trained["step"] == 1 and trained["scale_rewards"] is False  # the example's advantages, as trained
     again = run_example("examples.city_facts.train", *args)
     assert "base model held-out score (step 0, from history)" in again
     assert "step 1/1" not in again  # resumed: nothing left to train
@@ -124,7 +126,8 @@ def test_the_job_says_so_after_three_steps_without_signal(tmp_path: Path, capsys
     example = Example(project="flat", model_prefix="flat", title="flat",
                       scenarios=lambda split, count, seed: [Question(f"{split}{i}") for i in range(count)],
                       rollout=rollout)
-    args = argparse.Namespace(steps=4, scenarios_per_step=1, rollouts=2, learning_rate=1e-3, temperature=1.0, seed=0,
+    args = argparse.Namespace(steps=4, scenarios_per_step=1, rollouts=2, learning_rate=1e-3, temperature=1.0,
+                              scale_rewards=True, seed=0,
                               name=None, ruler=False, model="tiny-random-smollm2", engine="torch", backend_url=None,
                               art_dir=str(tmp_path), held_out=1, max_tokens=8)
     asyncio.run(train(example, args))

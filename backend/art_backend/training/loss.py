@@ -4,6 +4,7 @@ For every token t the policy produced in a rollout:
 
     ratio_t = exp(logp_new_t - logp_rollout_t)          importance weight vs the rollout policy
     A_t     = advantage of the token's trajectory        (r - mean(r_group)) / (std(r_group) + 1e-6)
+                                                          (or r - mean(r_group): scale_rewards=False)
 
 CISPO (default), a clipped-importance-weight REINFORCE:
 

@@ -262,7 +262,7 @@ class TrainingService:
                 metrics.update(await self.engine.train_step(name, sequences, config, model.lora,
                                                             model.checkpoint(step), staging))
                 metrics.update({"trained": bool(sequences), "learning_rate": config.learning_rate,
-                                "seconds": time.perf_counter() - started})
+                                "scale_rewards": config.scale_rewards, "seconds": time.perf_counter() - started})
                 record = {"step": step + 1, "split": "train", "time": time.time(), **metrics}
                 await asyncio.to_thread(model.commit, staging, step + 1, record, groups)
             finally:
