@@ -655,11 +655,10 @@ inline double noise_uniform(uint64_t key, int64_t i) {
 
 // The argmax above, evaluating the two logs for few tokens. `weights[i]` ~ exp(scaled_i -
 // scaled_top) (~0 where masked: such a token, if evaluated, totals -inf), `top` a token of the
-// largest scaled logit. Its total
-// B = scaled_top + g_top is reached, so a winner i has g_i >= B - scaled_i, that is
-// -log u_i <= exp(scaled_i - B) = weights[i] exp(-g_top); and as -log u >= 1 - u, a token with
-// 1 - u_i above that (with a margin for the weights' rounding) cannot win. Every other token is
-// evaluated exactly, so the result is the full argmax's.
+// largest scaled logit. Its total B = scaled_top + g_top is reached, so a winner i has
+// g_i >= B - scaled_i, that is -log u_i <= exp(scaled_i - B) = weights[i] exp(-g_top); and as
+// -log u >= 1 - u, a token with 1 - u_i above that (with a margin for the weights' rounding)
+// cannot win. Every other token is evaluated exactly, so the result is the full argmax's.
 template <typename Scaled>
 int64_t gumbel_argmax_row(Scaled scaled, const float* weights, int64_t vocab, int64_t top, uint64_t seed) {
   const uint64_t key = splitmix64(seed);
