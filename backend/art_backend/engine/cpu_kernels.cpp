@@ -120,90 +120,145 @@ void attend_loops(const float* queries, int64_t group, const HeadKV& kv, int64_t
   }
 }
 
-#ifdef __AVX512F__
-// [sum of v[0]'s 16 lanes, ..., sum of v[15]'s]: pairs of vectors folded into one, four times
-// over (each fold adds halves of two vectors' lanes), 48 instructions for 16 sums where 16
-// separate sums across a vector take ~130 and wait on each other.
-inline __m512 sum_each(const __m512* v) {
-  __m512 pairs[8], quads[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: its sums of four vectors
-    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  constexpr int kEven = _MM_SHUFFLE(2, 0, 2, 0), kOdd = _MM_SHUFFLE(3, 1, 3, 1);  // 128-bit lanes 0, 2 and 1, 3
-  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], kEven),
-                                   _mm512_shuffle_f32x4(quads[0], quads[1], kOdd));
-  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], kEven),
-                                    _mm512_shuffle_f32x4(quads[2], quads[3], kOdd));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, kEven), _mm512_shuffle_f32x4(low, high, kOdd));
-}
+#if defined(__AVX512F__) || defined(__AVX2__)
+// accumulators `weigh_values` keeps in registers: of AVX-512's 32, or AVX2's 16 (the rest hold
+// a weight and a load)
+constexpr int kSums = 12;
 
-// acc[g0 + g] += sum_j scores[g0 + g, j] value_j for GROUPS queries at once, their
-// GROUPS * CHUNKS sums in registers (one chain of adds per output, over the keys in order).
+// The vector operations the attention below needs, on AVX-512's 16 floats or AVX2's 8
+#ifdef __AVX512F__
+struct Vec {
+  using T = __m512;
+  static constexpr int kLanes = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T broadcast(float x) { return _mm512_set1_ps(x); }
+  static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static void store_first(float* p, T v, int64_t n) { _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v); }
+
+  // [sum of v[0]'s 16 lanes, ..., sum of v[15]'s]: pairs of vectors folded into one, four times
+  // over (each fold adds halves of two vectors' lanes), 48 instructions for 16 sums where 16
+  // separate sums across a vector take ~130 and wait on each other.
+  static T sum_each(const T* v) {
+    __m512 pairs[8], quads[4];
+    for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+      pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {  // per 128-bit lane: its sums of four vectors
+      const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+      quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    constexpr int kEven = _MM_SHUFFLE(2, 0, 2, 0), kOdd = _MM_SHUFFLE(3, 1, 3, 1);  // 128-bit lanes 0, 2 and 1, 3
+    const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], kEven),
+                                     _mm512_shuffle_f32x4(quads[0], quads[1], kOdd));
+    const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], kEven),
+                                      _mm512_shuffle_f32x4(quads[2], quads[3], kOdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, kEven), _mm512_shuffle_f32x4(low, high, kOdd));
+  }
+};
+#else
+struct Vec {
+  using T = __m256;
+  static constexpr int kLanes = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T broadcast(float x) { return _mm256_set1_ps(x); }
+  static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static void store_first(float* p, T v, int64_t n) {
+    _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), v);
+  }
+
+  // [sum of v[0]'s 8 lanes, ..., sum of v[7]'s], each lane after lane as GCC ends an `omp simd`
+  // sum (so the dot products round as `attend_loops`' do): the 8 x 8 block transposed, its rows added.
+  static T sum_each(const T* v) {
+    T pairs[8], quads[8];
+    for (int i = 0; i < 4; ++i) {  // per 128-bit half: [v[2i] l0, v[2i+1] l0, v[2i] l1, v[2i+1] l1] and l2, l3
+      pairs[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+      pairs[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i)  // per half: one lane of four vectors
+      for (int j = 0; j < 2; ++j) {
+        quads[4 * i + 2 * j] = _mm256_shuffle_ps(pairs[4 * i + j], pairs[4 * i + j + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        quads[4 * i + 2 * j + 1] = _mm256_shuffle_ps(pairs[4 * i + j], pairs[4 * i + j + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      }
+    T sum = _mm256_permute2f128_ps(quads[0], quads[4], 0x20);  // lane 0 of all eight
+    for (int lane = 1; lane < 8; ++lane)
+      sum = _mm256_add_ps(sum, _mm256_permute2f128_ps(quads[lane % 4], quads[4 + lane % 4], lane < 4 ? 0x20 : 0x31));
+    return sum;
+  }
+};
+#endif
+
+// acc[g0 + g, chunks c0..c0+CHUNKS) += sum_j scores[g0 + g, j] value_j (those chunks) for GROUPS
+// queries at once, their GROUPS * CHUNKS sums in registers (one chain of adds per output, over the
+// keys in order, whatever the pass).
 template <int CHUNKS, int GROUPS>
-void weigh_values(const float* scores, int64_t g0, const HeadKV& kv, int64_t length, float* acc) {
-  __m512 sums[GROUPS][CHUNKS];
+void weigh_values(const float* scores, int64_t g0, const HeadKV& kv, int64_t length, int64_t d, int64_t c0, float* acc) {
+  Vec::T sums[GROUPS][CHUNKS];
   for (int g = 0; g < GROUPS; ++g)
-    for (int c = 0; c < CHUNKS; ++c) sums[g][c] = _mm512_setzero_ps();
+    for (int c = 0; c < CHUNKS; ++c) sums[g][c] = Vec::zero();
   for (int64_t j = 0; j < length; ++j) {
-    const float* value = kv.value(j, CHUNKS * 16);
+    const float* value = kv.value(j, d) + c0 * Vec::kLanes;
     for (int g = 0; g < GROUPS; ++g) {
-      const __m512 weight = _mm512_set1_ps(scores[(g0 + g) * length + j]);
-      for (int c = 0; c < CHUNKS; ++c) sums[g][c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 16 * c), sums[g][c]);
+      const Vec::T weight = Vec::broadcast(scores[(g0 + g) * length + j]);
+      for (int c = 0; c < CHUNKS; ++c) sums[g][c] = Vec::fmadd(weight, Vec::load(value + Vec::kLanes * c), sums[g][c]);
     }
   }
   for (int g = 0; g < GROUPS; ++g)
-    for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(acc + ((g0 + g) * CHUNKS + c) * 16, sums[g][c]);
+    for (int c = 0; c < CHUNKS; ++c) Vec::store(acc + (g0 + g) * d + (c0 + c) * Vec::kLanes, sums[g][c]);
 }
 
-// `weigh_values` for `groups` queries (1 to 12 / CHUNKS), GROUPS the first count tried
+// `weigh_values` for `groups` queries (1 to kSums / CHUNKS), GROUPS the first count tried
 template <int CHUNKS, int GROUPS = 1>
-void weigh_values_of(int64_t groups, const float* scores, int64_t g0, const HeadKV& kv, int64_t length, float* acc) {
-  if constexpr (GROUPS * CHUNKS <= 12 || GROUPS == 1) {
-    if (groups == GROUPS) return weigh_values<CHUNKS, GROUPS>(scores, g0, kv, length, acc);
-    weigh_values_of<CHUNKS, GROUPS + 1>(groups, scores, g0, kv, length, acc);
+void weigh_values_of(int64_t groups, const float* scores, int64_t g0, const HeadKV& kv, int64_t length, int64_t d,
+                     int64_t c0, float* acc) {
+  if constexpr (GROUPS * CHUNKS <= kSums || GROUPS == 1) {
+    if (groups == GROUPS) return weigh_values<CHUNKS, GROUPS>(scores, g0, kv, length, d, c0, acc);
+    weigh_values_of<CHUNKS, GROUPS + 1>(groups, scores, g0, kv, length, d, c0, acc);
   }
 }
 
-// `attend_loops` for a head of CHUNKS * 16 dims: 16 keys at a time, each query's 16 dot
-// products summed across their vectors together (`sum_each`); then the values weighed with
-// up to 12 sums in registers, enough independent chains to keep both FMA units busy.
+// `attend_loops` for a head of CHUNKS vectors: kLanes keys at a time, each query's kLanes dot
+// products summed across their vectors together (`Vec::sum_each`); then the values weighed
+// with up to kSums sums in registers, enough independent chains to keep both FMA units busy.
 template <int CHUNKS>
 void attend_vectors(const float* queries, int64_t group, const HeadKV& kv, int64_t length, float* scores, float* acc,
                     float* total) {
-  constexpr int64_t d = CHUNKS * 16;
-  for (int64_t j0 = 0; j0 < length; j0 += 16) {
-    const int64_t n = std::min<int64_t>(16, length - j0);
+  constexpr int64_t lanes = Vec::kLanes, d = CHUNKS * lanes;
+  for (int64_t j0 = 0; j0 < length; j0 += lanes) {
+    const int64_t n = std::min<int64_t>(lanes, length - j0);
     for (int64_t g = 0; g < group; ++g) {
       const float* query = queries + g * d;
-      __m512 dots[16];
-      for (int64_t jj = 0; jj < 16; ++jj) {
-        dots[jj] = _mm512_setzero_ps();
+      Vec::T dots[lanes];
+      for (int64_t jj = 0; jj < lanes; ++jj) {
+        dots[jj] = Vec::zero();
         if (jj < n)
           for (int c = 0; c < CHUNKS; ++c)
-            dots[jj] = _mm512_fmadd_ps(_mm512_loadu_ps(query + 16 * c), _mm512_loadu_ps(kv.key(j0 + jj, d) + 16 * c),
-                                       dots[jj]);
+            dots[jj] = Vec::fmadd(Vec::load(query + lanes * c), Vec::load(kv.key(j0 + jj, d) + lanes * c), dots[jj]);
       }
-      _mm512_mask_storeu_ps(scores + g * length + j0, static_cast<__mmask16>((1u << n) - 1), sum_each(dots));
+      Vec::store_first(scores + g * length + j0, Vec::sum_each(dots), n);
     }
   }
   softmax_numerators(scores, group, length, total);
-  constexpr int64_t kAtOnce = std::max(1, 12 / CHUNKS);
-  for (int64_t g0 = 0; g0 < group; g0 += kAtOnce)
-    weigh_values_of<CHUNKS>(std::min(kAtOnce, group - g0), scores, g0, kv, length, acc);
+  // the values in passes of at most 4 vectors' width, so that a pass weighs several queries'
+  // sums at once (AVX2: a 64-dim head is 8 vectors, two passes of 3 queries x 4 vectors)
+  constexpr int kPass = std::min(CHUNKS, 4);
+  constexpr int64_t kAtOnce = std::max(1, kSums / kPass);
+  for (int64_t c0 = 0; c0 < CHUNKS; c0 += kPass)
+    for (int64_t g0 = 0; g0 < group; g0 += kAtOnce)
+      weigh_values_of<kPass>(std::min(kAtOnce, group - g0), scores, g0, kv, length, d, c0, acc);
 }
 #endif
 
 void attend(const float* queries, int64_t group, const HeadKV& kv, int64_t length, int64_t d, float* scores, float* acc,
             float* total) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
   switch (d) {
-    case 16: return attend_vectors<1>(queries, group, kv, length, scores, acc, total);
-    case 32: return attend_vectors<2>(queries, group, kv, length, scores, acc, total);
-    case 64: return attend_vectors<4>(queries, group, kv, length, scores, acc, total);
-    case 128: return attend_vectors<8>(queries, group, kv, length, scores, acc, total);
+    case 16: return attend_vectors<16 / Vec::kLanes>(queries, group, kv, length, scores, acc, total);
+    case 32: return attend_vectors<32 / Vec::kLanes>(queries, group, kv, length, scores, acc, total);
+    case 64: return attend_vectors<64 / Vec::kLanes>(queries, group, kv, length, scores, acc, total);
+    case 128: return attend_vectors<128 / Vec::kLanes>(queries, group, kv, length, scores, acc, total);
   }
 #endif
   attend_loops(queries, group, kv, length, d, scores, acc, total);
