@@ -190,32 +190,30 @@ struct Vec {
 };
 #endif
 
-// acc[g0 + g, chunks c0..c0+CHUNKS) += sum_j scores[g0 + g, j] value_j (those chunks) for GROUPS
-// queries at once, their GROUPS * CHUNKS sums in registers (one chain of adds per output, over the
-// keys in order, whatever the pass).
+// acc[g0 + g] += sum_j scores[g0 + g, j] value_j for GROUPS queries at once, their
+// GROUPS * CHUNKS sums in registers (one chain of adds per output, over the keys in order).
 template <int CHUNKS, int GROUPS>
-void weigh_values(const float* scores, int64_t g0, const HeadKV& kv, int64_t length, int64_t d, int64_t c0, float* acc) {
+void weigh_values(const float* scores, int64_t g0, const HeadKV& kv, int64_t length, float* acc) {
   Vec::T sums[GROUPS][CHUNKS];
   for (int g = 0; g < GROUPS; ++g)
     for (int c = 0; c < CHUNKS; ++c) sums[g][c] = Vec::zero();
   for (int64_t j = 0; j < length; ++j) {
-    const float* value = kv.value(j, d) + c0 * Vec::kLanes;
+    const float* value = kv.value(j, CHUNKS * Vec::kLanes);
     for (int g = 0; g < GROUPS; ++g) {
       const Vec::T weight = Vec::broadcast(scores[(g0 + g) * length + j]);
       for (int c = 0; c < CHUNKS; ++c) sums[g][c] = Vec::fmadd(weight, Vec::load(value + Vec::kLanes * c), sums[g][c]);
     }
   }
   for (int g = 0; g < GROUPS; ++g)
-    for (int c = 0; c < CHUNKS; ++c) Vec::store(acc + (g0 + g) * d + (c0 + c) * Vec::kLanes, sums[g][c]);
+    for (int c = 0; c < CHUNKS; ++c) Vec::store(acc + ((g0 + g) * CHUNKS + c) * Vec::kLanes, sums[g][c]);
 }
 
 // `weigh_values` for `groups` queries (1 to kSums / CHUNKS), GROUPS the first count tried
 template <int CHUNKS, int GROUPS = 1>
-void weigh_values_of(int64_t groups, const float* scores, int64_t g0, const HeadKV& kv, int64_t length, int64_t d,
-                     int64_t c0, float* acc) {
+void weigh_values_of(int64_t groups, const float* scores, int64_t g0, const HeadKV& kv, int64_t length, float* acc) {
   if constexpr (GROUPS * CHUNKS <= kSums || GROUPS == 1) {
-    if (groups == GROUPS) return weigh_values<CHUNKS, GROUPS>(scores, g0, kv, length, d, c0, acc);
-    weigh_values_of<CHUNKS, GROUPS + 1>(groups, scores, g0, kv, length, d, c0, acc);
+    if (groups == GROUPS) return weigh_values<CHUNKS, GROUPS>(scores, g0, kv, length, acc);
+    weigh_values_of<CHUNKS, GROUPS + 1>(groups, scores, g0, kv, length, acc);
   }
 }
 
@@ -241,13 +239,9 @@ void attend_vectors(const float* queries, int64_t group, const HeadKV& kv, int64
     }
   }
   softmax_numerators(scores, group, length, total);
-  // the values in passes of at most 4 vectors' width, so that a pass weighs several queries'
-  // sums at once (AVX2: a 64-dim head is 8 vectors, two passes of 3 queries x 4 vectors)
-  constexpr int kPass = std::min(CHUNKS, 4);
-  constexpr int64_t kAtOnce = std::max(1, kSums / kPass);
-  for (int64_t c0 = 0; c0 < CHUNKS; c0 += kPass)
-    for (int64_t g0 = 0; g0 < group; g0 += kAtOnce)
-      weigh_values_of<kPass>(std::min(kAtOnce, group - g0), scores, g0, kv, length, d, c0, acc);
+  constexpr int64_t kAtOnce = std::max(1, kSums / CHUNKS);
+  for (int64_t g0 = 0; g0 < group; g0 += kAtOnce)
+    weigh_values_of<CHUNKS>(std::min(kAtOnce, group - g0), scores, g0, kv, length, acc);
 }
 #endif
 
