@@ -8,6 +8,12 @@ VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 ART_VENV ?= .venv-art
 TORCH_VERSION ?= 2.13.0
+# The tests outside vLLM run in TEST_WORKERS processes side by side (pytest-xdist; a process that
+# runs out of tests takes half of what another has left), each with its share of the cores: one
+# process alone leaves a core idle much of the time (starting backends, importing, loading models,
+# HTTP), and sharing the cores out keeps two torch thread teams from spinning against each other.
+TEST_WORKERS ?= 2
+TEST_THREADS ?= $(shell n=$$(nproc); echo $$(( n / $(TEST_WORKERS) > 0 ? n / $(TEST_WORKERS) : 1 )))
 # The engine contract tests: each runs on the torch engine (in .venv) and on the vLLM engine (in .venv-vllm).
 ENGINE_TESTS := tests/test_openai_api.py tests/test_engines.py tests/test_training_backend.py tests/test_grpo_learns.py \
 	tests/test_chat_families.py
@@ -77,8 +83,11 @@ smoke: setup
 docs: setup
 	$(BIN)/python -m mkdocs serve
 
-test: setup setup-vllm setup-art browser
-	$(BIN)/python -m pytest -m "not vllm"
+# The three venvs and the browser are independent: they are set up side by side (pip spends much
+# of its time unpacking and compiling bytecode on one core), and the tests start once all are done.
+test:
+	$(MAKE) --no-print-directory --jobs=4 --output-sync=line setup setup-vllm setup-art browser
+	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -m "not vllm" -n $(TEST_WORKERS) --dist worksteal
 	@# the vLLM tests skip where vllm does not import: here it must, or the run would pass having tested nothing
 	$(VLLM_BIN)/python -c "import vllm"
 	$(VLLM_BIN)/python -m pytest -m vllm $(VLLM_TESTS)
