@@ -5,6 +5,7 @@ histories, and a prefix break), and what the rows hold."""
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,19 @@ def test_checkpointed_activations_give_the_same_loss_and_gradients(trainer: Lora
     assert checkpointed_sums == pytest.approx(kept_sums, rel=1e-5, abs=1e-7)
     for name, gradient in checkpointed.items():
         torch.testing.assert_close(gradient, kept[name], rtol=1e-5, atol=1e-8, msg=name)
+
+
+def test_adapter_and_checkpointing_set_up_without_deprecation_warnings(tiny_model_dir: Path) -> None:
+    """transformers 5 deprecated `gradient_checkpointing_*` and `is_gradient_checkpointing` (peft reads it):
+    every `make run` printed their warnings at the first step."""
+    trainer = LoraTrainer(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        trainer._adapter("m", LoraConfig(), None)  # noqa: SLF001
+        trainer._checkpoint_activations(True)  # noqa: SLF001
+        assert trainer.base.model.layers[0].gradient_checkpointing
+        trainer._checkpoint_activations(False)  # noqa: SLF001
+        assert not trainer.base.model.layers[0].gradient_checkpointing
 
 
 def test_a_model_that_post_processes_its_logits_keeps_the_whole_forward(tiny_model_dir: Path) -> None:

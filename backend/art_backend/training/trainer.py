@@ -17,6 +17,7 @@ import logging
 import math
 import re
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,10 @@ FirstAdapter = Callable[[PreTrainedModel, PeftLoraConfig, str], tuple[PeftModel,
 
 
 def _peft_first_adapter(base: PreTrainedModel, config: PeftLoraConfig, name: str) -> tuple[PeftModel, str]:
-    return get_peft_model(base, config, adapter_name=name), name
+    with warnings.catch_warnings():
+        # peft reads transformers' deprecated `is_gradient_checkpointing`: its warning is not the user's to act on
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(base, config, adapter_name=name), name
 
 
 def load_trainable_model(model_dir: Path, max_seq_length: int) -> tuple[PreTrainedModel, FirstAdapter, bool]:
@@ -203,10 +207,12 @@ class LoraTrainer:
         model comes with its own on, which stays)."""
         if on == any(getattr(module, "gradient_checkpointing", False) for module in self.base.modules()):
             return
+        # transformers 5 renamed these `activation_checkpointing_*`; the old names warn that they are deprecated
         if on:
-            self.base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable = getattr(self.base, "activation_checkpointing_enable", self.base.gradient_checkpointing_enable)
+            enable({"use_reentrant": False})
         else:
-            self.base.gradient_checkpointing_disable()
+            getattr(self.base, "activation_checkpointing_disable", self.base.gradient_checkpointing_disable)()
 
     def accumulate_gradients(self, sequences: list[TrainSequence], config: TrainConfig) -> dict[str, float]:
         """The step's loss over `sequences` (each of its parts summed) and its gradients on the
