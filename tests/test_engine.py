@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.cpp_extension
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 from art_backend.engine.base import GenerationRequest, ModelNotServedError, SamplingParams
 from art_backend.engine.cpu_kernels import build_directory, load_cpu_kernels, vector_build
@@ -372,22 +372,43 @@ def test_a_kernel_build_killed_while_locked_does_not_hang_the_next_start(tmp_pat
     assert "was killed while holding it" in loaded.stderr and not (copy / "lock").exists()
 
 
+# A passage of ordinary prose (75 tokens): the bf16 check needs many positions, and positions where
+# the next token is clear as well as near-ties, to be the same test on every CPU.
+_PROSE = ("The river ran past the old mill, where the miller's daughter counted sacks of flour each morning before "
+          "the sun rose. In the spring of that year, a stranger arrived with a cart full of books, and the village "
+          "gathered to hear him read. He spoke of distant cities, of ships that crossed the ocean in a week, and of "
+          "machines that could think.")
+
+
 def test_bf16_serving_stays_close_to_fp32_and_leaves_the_trainer_model_alone(embedded_model_dir: Path) -> None:
+    """bf16 keeps 8 significant bits (a relative rounding of at most 2**-9 per weight and product), so
+    serving in it perturbs each logprob by a few hundredths to tenths of a nat after 30 layers, on any
+    CPU: measured on a 2-core AVX2 EPYC, KL(fp32 || bf16) 6e-4 mean and 2.3e-3 at most over these 75
+    positions, and the largest error on a top-10 token's logprob 0.2. What must hold is what follows
+    from such a perturbation, with room for a CPU whose bf16 matmul rounds otherwise (oneDNN's packed
+    path on AVX-512, or AMX): a small KL everywhere, and the same greedy token wherever fp32's best
+    token leads the second by more than 1 nat (five times the largest error seen). Only near-ties may
+    flip, and which positions are near-ties is fp32's to say, not the bf16 run's."""
     model = AutoModelForCausalLM.from_pretrained(embedded_model_dir).eval()
-    exact, fast = LeanLlama(model, max_len=64), LeanLlama(model, max_len=64, dtype=torch.bfloat16)
+    exact, fast = LeanLlama(model, max_len=128), LeanLlama(model, max_len=128, dtype=torch.bfloat16)
     assert fast.linears[0]["gate_up"].weight.dtype == fast.lm_head.weight.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    ids = torch.tensor([[1, 504, 3458, 314, 4457, 30, 378, 1330, 314, 2421, 11, 1781]])
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
+    ids = torch.tensor([tokenizer(_PROSE)["input_ids"]])
+    length = ids.shape[1]
     logprobs = []
     for lean in (exact, fast):
         cache = lean.new_cache()
-        cache.reserve(1, 16)
-        hidden = lean.forward(ids, torch.arange(12)[None], torch.arange(1), cache, torch.tensor([12]))
-        logprobs.append(torch.log_softmax(lean.logits(hidden), dim=-1))
-    kl = (logprobs[0].exp() * (logprobs[0] - logprobs[1])).sum(-1)
-    assert float(kl.max()) < 5e-3, kl
-    agree = (logprobs[0].argmax(-1) == logprobs[1].argmax(-1)).float().mean()
-    assert float(agree) >= 0.8  # only near-ties may flip
+        cache.reserve(1, length + 4)
+        hidden = lean.forward(ids, torch.arange(length)[None], torch.arange(1), cache, torch.tensor([length]))
+        logprobs.append(torch.log_softmax(lean.logits(hidden).float(), dim=-1)[0])
+    fp32, bf16 = logprobs
+    kl = (fp32.exp() * (fp32 - bf16)).sum(-1)
+    assert float(kl.mean()) < 5e-3 and float(kl.max()) < 2e-2, kl
+    best_two = fp32.topk(2, dim=-1).values
+    clear = best_two[:, 0] - best_two[:, 1] > 1.0
+    assert int(clear.sum()) >= 20  # the text has enough clear positions for the check to mean something
+    assert torch.equal(fp32.argmax(-1)[clear], bf16.argmax(-1)[clear])
 
 
 async def test_greedy_output_is_the_same_with_and_without_a_reused_prefix(embedded_engine: TorchEngine) -> None:
