@@ -85,16 +85,22 @@ def embedded_engine_named(request: pytest.FixtureRequest, engine: str) -> Engine
     return request.getfixturevalue("embedded_engine" if engine == "torch" else "embedded_vllm_engine")
 
 
+def torch_engine(model_dir: Path, **settings: Any) -> TorchEngine:
+    """A torch engine on `model_dir`, with the fused CPU kernels as ART_BACKEND_CPU_KERNELS says:
+    `make test` runs the engine contract tests once more with them off (the eager path)."""
+    return TorchEngine(model_dir, cpu_kernels=BackendSettings().cpu_kernels, **settings)
+
+
 @pytest.fixture(scope="session")
 def embedded_engine(embedded_model_dir: Path) -> Iterator[TorchEngine]:
-    engine = TorchEngine(embedded_model_dir)
+    engine = torch_engine(embedded_model_dir)
     yield engine
     _close(engine)
 
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_model_dir: Path) -> Iterator[TorchEngine]:
-    engine = TorchEngine(tiny_model_dir)
+    engine = torch_engine(tiny_model_dir)
     yield engine
     _close(engine)
 

@@ -20,7 +20,7 @@ from art_backend.tool_formats import TOOL_CALL_PARSERS, tool_call_parser_for
 from art_backend.training.tokenize import TokenizeStats, tokenize_trajectory
 from art_integrations import Trajectory
 from tests.chat_families import FAMILIES, build_family_model
-from tests.conftest import ENGINES, ServerThread, _close, vllm_engine
+from tests.conftest import ENGINES, ServerThread, _close, torch_engine, vllm_engine
 
 CITY_TOOL = {
     "type": "function",
@@ -146,10 +146,8 @@ def test_a_parser_named_for_the_wrong_template_is_refused(embedded_model_dir: Pa
                                                      marks=engine.marks)
                                         for engine in ENGINES for family in FAMILIES])
 def family_server(request: pytest.FixtureRequest, family_dirs: dict[str, Path]) -> Iterator[tuple[str, Any]]:
-    from art_backend.engine.torch_engine import TorchEngine
-
     family, kind = request.param
-    engine = TorchEngine(family_dirs[family]) if kind == "torch" else vllm_engine(family_dirs[family])
+    engine = torch_engine(family_dirs[family]) if kind == "torch" else vllm_engine(family_dirs[family])
     with ServerThread(create_app(engine)) as server:
         yield family, openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused"), engine
     _close(engine)

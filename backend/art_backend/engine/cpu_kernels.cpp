@@ -16,7 +16,6 @@
 #endif
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -47,7 +46,9 @@ inline float exp_simd(float x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
   const int32_t exponent = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, built in the exponent bits
-  return p * std::bit_cast<float>(exponent);
+  float power;
+  std::memcpy(&power, &exponent, sizeof power);  // not std::bit_cast: C++20, and older torch builds extensions as C++17
+  return p * power;
 }
 
 // out = (x * cos + rotate_half(x) * sin) * scale, with rotate_half(x) = (-x[half:], x[:half]):

@@ -19,6 +19,8 @@ import fcntl
 import functools
 import logging
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -56,11 +58,56 @@ def vector_build() -> bool:
     return torch.backends.cpu.get_cpu_capability() in _VECTOR_FLAGS
 
 
+def compiler() -> str:
+    """The C++ compiler torch's extension builder runs: $CXX, else `c++`."""
+    return os.environ.get("CXX", "c++")
+
+
+def openmp_refused(command: str) -> str | None:
+    """Why `command` cannot build OpenMP code, or None. The kernels need OpenMP: torch's
+    `at::parallel_for`, which spreads them over the cores, runs on one thread in code built without
+    it. Apple's clang refuses `-fopenmp`."""
+    source = "#include <omp.h>\nint main() { return omp_get_max_threads(); }\n"
+    try:
+        probe = subprocess.run([command, "-fopenmp", "-x", "c++", "-fsyntax-only", "-"], input=source,
+                               capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"{command} could not be run ({error!r})"
+    if probe.returncode != 0:
+        return f"{command} has no OpenMP ({first_error_line(probe.stderr)}), which the kernels' threads need"
+    return None
+
+
+def first_error_line(output: str) -> str:
+    """The compiler's first error in `output` (a build log), else its first non-empty line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"\berror:", line, re.IGNORECASE)]  # gcc's and clang's form
+    return (errors or lines or ["(no output)"])[0]
+
+
+def cannot_build() -> str | None:
+    """Why the kernels cannot be built here, or None: a compiler and ninja are what they need."""
+    if shutil.which(compiler()) is None:
+        return (f"no C++ compiler: {compiler()!r} is not on PATH. Install one with OpenMP (g++, or clang++ with "
+                "libomp), or point $CXX at it")
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        return "the `ninja` build tool is missing: `pip install ninja` in this environment"
+    return None
+
+
 @functools.cache
 def load_cpu_kernels() -> Any | None:
     """`torch.ops.art_cpu_kernels`, or None, with a warning saying why, where they cannot be built."""
     from torch.utils.cpp_extension import load  # imports setuptools: only when serving on CPU
 
+    fallback = ("so decoding uses plain torch ops and float32 weights (~2x slower for the embedded model). "
+                "ART_BACKEND_CPU_KERNELS=false skips the attempt")
+    reason = cannot_build() or openmp_refused(compiler())
+    if reason is not None:
+        logger.warning("The fused CPU decode kernels cannot be built here, %s: %s.", fallback, reason)
+        return None
     capability = torch.backends.cpu.get_cpu_capability()
     # -fno-split-loops: GCC splits a row's loop over keys at its shared length (`HeadKV`) and
     # vectorizes the two halves differently, so on AVX2 reading a shared prompt start from another
@@ -81,10 +128,9 @@ def load_cpu_kernels() -> Any | None:
             load(name=name, sources=[str(source) for source in _SOURCES], extra_cflags=flags, is_python_module=False,
                  build_directory=str(build))
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as error:
-        logger.warning(
-            "The fused CPU decode kernels could not be built, so decoding uses plain torch ops and float32 weights (~2x slower for the embedded model): %s. "
-            "To build them, install a C++ compiler (g++) and the `ninja` package; to skip the attempt, set "
-            "ART_BACKEND_CPU_KERNELS=false.", error)
+        logger.warning("The fused CPU decode kernels did not build with %s, %s. The compiler said: %s (the whole "
+                       "build log goes to this logger at DEBUG)", compiler(), fallback, first_error_line(str(error)))
+        logger.debug("The CPU kernels' build failed:\n%s", error)
         return None
     logger.info("Fused CPU decode kernels (%s) ready in %.1f s", capability, time.perf_counter() - started)
     return torch.ops.art_cpu_kernels
