@@ -7,6 +7,7 @@ Both speak the same API: OpenAI-compatible inference under /v1 and training unde
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import os
 import socket
@@ -156,9 +157,14 @@ def _stop_at_exit(backend: LocalBackend) -> None:
 
 
 class LocalBackend(Backend):
-    """Starts the bundled backend on loopback: in this process (a server thread), or as a
-    child process (`in_process=False`). Stopped by `close()` or leaving `async with`, else when
-    the interpreter exits.
+    """Starts the bundled backend on loopback, as a process of its own (`art-backend serve`), or
+    with `in_process=True` as a server thread in this process. Stopped by `close()` or leaving
+    `async with`, else when the interpreter exits.
+
+    Its own process is the default because the engine tunes the process it runs in for good (torch's
+    CPU allocator, glibc's malloc settings: the `tune_process_memory` setting) and a crash in its
+    kernels would take your script down with it; in this process it leaves both as they are unless
+    ART_BACKEND_TUNE_PROCESS_MEMORY=true.
 
     `model`: a Hugging Face hub id (e.g. "Qwen/Qwen2.5-7B-Instruct", from the hub cache, else
     downloaded) or a local model directory; the server starts now. Without it (and without
@@ -167,14 +173,14 @@ class LocalBackend(Backend):
     any other request before that (a scored-only `Model` registered, `openai_client()`) starts it
     on the embedded model. One backend serves one base model: a model naming another is refused.
     `engine`: "torch", "vllm" or "auto" (the default, or `ART_BACKEND_ENGINE`: vLLM where a CUDA GPU
-    and vLLM are present, else the embedded torch engine). The vLLM engine starts processes of its
-    own: a script that starts it belongs under `if __name__ == "__main__":`.
+    and vLLM are present, else the embedded torch engine).
     `art_dir` (ART's `path`): where checkpoints, metrics and trajectories are written (default `.art`).
-    `log_file`: with `in_process=False`, where the child's output goes (default: this process's).
-    Every other backend setting is read from its `ART_BACKEND_*` environment variable.
+    `log_file`: where the backend's own process writes its log (default: this process's output,
+    warnings and errors only). Every other backend setting is read from its `ART_BACKEND_*`
+    environment variable.
     """
 
-    def __init__(self, *, in_process: bool = True, model: str | None = None, engine: str | None = None,
+    def __init__(self, *, in_process: bool = False, model: str | None = None, engine: str | None = None,
                  art_dir: str | Path = ".art", port: int | None = None, startup_timeout: float = 600.0,
                  log_file: str | Path | None = None, path: str | Path | None = None) -> None:
         if engine not in (None, *ENGINES):
@@ -247,7 +253,13 @@ class LocalBackend(Backend):
 
     def _start_child(self, port: int, model: str | None, engine: str | None, art_dir: Path,
                      log_file: str | Path | None) -> None:
+        if importlib.util.find_spec("art_backend") is None:
+            raise BackendError(
+                f"LocalBackend starts the art-backend package, which {sys.executable} lacks: install it with "
+                "`pip install -e ./backend` (or `make setup`), or connect to a running one with RemoteBackend(url).")
         command = [sys.executable, "-m", "art_backend", "serve", "--port", str(port), "--art-dir", str(art_dir)]
+        if log_file is None:  # its log shares this process's output: what needs attention only
+            command += ["--log-level", "warning"]
         if model:
             command += ["--model", model]
         if engine:

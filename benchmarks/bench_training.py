@@ -49,6 +49,7 @@ from transformers.utils import logging as hf_logging
 
 from art_backend.config import BackendSettings
 from art_backend.engine.cpu_kernels import load_cpu_kernels
+from art_backend.engine.host_memory import return_freed_memory_to_os
 from art_backend.model_store import embedded_model_dir
 from art_backend.training.packing import padded_batches
 from art_backend.training.service import step_sequences
@@ -148,6 +149,7 @@ def main() -> None:
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in b.lower().split("x")) for b in args.batches.split(",")]
     hf_logging.set_verbosity_error()
+    return_freed_memory_to_os()  # as the backend does in its own process (`art-backend serve`)
 
     model_dir = embedded_model_dir(Path(BackendSettings().cache_dir))
     print(f"model {model_dir}, torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -161,8 +163,8 @@ def main() -> None:
     batches = {"main job step": real,
                **{f"{n}x{length}": build_batch(plain_model, n, length) for n, length in shapes}}
     kernels = load_cpu_kernels()
-    trainer, plain = LoraTrainer(ours_model, cpu_kernels=kernels), PlainLoop(plain_model, lora)
-    unpacked = LoraTrainer(unpacked_model, packing=False, cpu_kernels=kernels)
+    trainer, plain = LoraTrainer(ours_model, step_memory=kernels), PlainLoop(plain_model, lora)
+    unpacked = LoraTrainer(unpacked_model, packing=False, step_memory=kernels)
     no_reuse = LoraTrainer(no_reuse_model)
     note = trl_note()
     print(note)

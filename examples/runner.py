@@ -224,9 +224,6 @@ def no_signal_note(step: int, quiet_steps: int) -> str:
 
 
 async def train(example: Example, args: argparse.Namespace) -> None:
-    import torch
-
-    torch.manual_seed(args.seed)
     started = time.perf_counter()
     held_out = example.scenarios("val", args.held_out, 0)
     scenarios = example.scenarios("train", args.steps * args.scenarios_per_step, args.seed)
@@ -259,19 +256,33 @@ async def train(example: Example, args: argparse.Namespace) -> None:
         directory = Path(args.art_dir) / model.project / "models" / model.name
         directory.mkdir(parents=True, exist_ok=True)  # a backend elsewhere keeps its checkpoints there
         plot_history(await model.history(), directory / "learning_curve.png", example.title)
+        in_own_process = isinstance(backend, LocalBackend) and backend.pid is not None
     print(f"\nheld-out score: base {base:.3f} -> trained {trained:.3f} ({trained - base:+.3f}) "
           f"in {(time.perf_counter() - started) / 60:.1f} min")
-    where = "the backend runs elsewhere" if args.backend_url else "the agent, its capture and the backend it started"
-    print(f"peak memory: {peak_resident_gb():.2f} GB resident (this process: {where})")
+    # the backend's own process has exited and been waited for: its peak is the children's
+    backend_peak = peak_resident_gb(resource.RUSAGE_CHILDREN) if in_own_process else None
+    print(memory_line(peak_resident_gb(resource.RUSAGE_SELF), backend_peak, elsewhere=args.backend_url is not None))
     print(f"checkpoints: {directory / 'checkpoints'}")
     print(f"metrics:     {directory / 'history.jsonl'}")
     print(f"plot:        {directory / 'learning_curve.png'}")
 
 
-def peak_resident_gb() -> float:
-    """This process's peak resident memory so far (getrusage: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def peak_resident_gb(who: int) -> float:
+    """The peak resident memory of this process (RUSAGE_SELF) or of its largest finished child
+    (RUSAGE_CHILDREN), from getrusage: KiB on Linux, bytes on macOS."""
+    peak = resource.getrusage(who).ru_maxrss
     return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def memory_line(agent: float, backend: float | None, elsewhere: bool) -> str:
+    """The job's summary line on memory: the agent's process and the backend's own, each at its peak
+    (their sum bounds what the two ever held at once)."""
+    if elsewhere:
+        return f"peak memory: {agent:.2f} GB resident (the agent and its capture; the backend runs elsewhere)"
+    if backend is None:
+        return f"peak memory: {agent:.2f} GB resident (the agent, its capture and the backend in this process)"
+    return (f"peak memory: {agent + backend:.2f} GB resident (backend {backend:.2f} GB, agent and capture "
+            f"{agent:.2f} GB: two processes, each at its peak)")
 
 
 def train_main(example: Example, description: str | None = None) -> None:

@@ -24,10 +24,12 @@ import json, sys, tempfile
 from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
+from art_backend.engine.host_memory import return_freed_memory_to_os
 from art_backend.training.trainer import LoraTrainer
 from art_integrations.training import LoraConfig, TrainConfig
 from bench_training import real_step, timed
 
+return_freed_memory_to_os()  # as the backend does in a process of its own
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 weight_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
 trainer, (sequences, _) = LoraTrainer(model), real_step()

@@ -82,7 +82,7 @@ def test_a_training_step_gives_the_same_losses_and_weights_with_memory_reused(ti
     for reuse in (None, kernels):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-        trainer = LoraTrainer(model, cpu_kernels=reuse)
+        trainer = LoraTrainer(model, step_memory=reuse)
         with tempfile.TemporaryDirectory() as out:
             metrics = [trainer.step("m", sequences, TrainConfig(), LoraConfig(), None, Path(out) / str(i))
                        for i in range(2)]

@@ -57,14 +57,16 @@ def build_engine(settings: BackendSettings) -> Engine:
                           kv_cache_memory_bytes=settings.kv_cache_memory_bytes, max_loras=settings.max_loras,
                           max_cpu_loras=settings.max_cpu_loras, max_lora_rank=settings.max_lora_rank,
                           tensor_parallel_size=settings.tensor_parallel_size,
-                          data_parallel_size=settings.data_parallel_size, engine_args=settings.vllm_engine_args)
+                          data_parallel_size=settings.data_parallel_size, engine_args=settings.vllm_engine_args,
+                          tune_process_memory=bool(settings.tune_process_memory))
     from art_backend.engine.torch_engine import TorchEngine
 
     return TorchEngine(model_dir, served_model_name=name, aliases=aliases,
                        max_model_len=settings.max_model_len, max_batch_size=settings.max_batch_size or 64,
                        prefix_cache_bytes=settings.prefix_cache_bytes,
                        prefix_cache_idle_seconds=settings.prefix_cache_idle_seconds, threads=settings.threads,
-                       dtype=settings.dtype, cpu_kernels=settings.cpu_kernels)
+                       dtype=settings.dtype, cpu_kernels=settings.cpu_kernels,
+                       tune_process_memory=bool(settings.tune_process_memory))
 
 
 def build_app(settings: BackendSettings) -> FastAPI:

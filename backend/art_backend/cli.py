@@ -56,6 +56,9 @@ def _json_object(text: str | None, option: str) -> dict[str, Any] | None:
 def serve(
     host: Annotated[Optional[str], typer.Option(help="Address to bind. Default 127.0.0.1.")] = None,
     port: Annotated[Optional[int], typer.Option(help="Port. Default 8000.")] = None,
+    log_level: Annotated[Optional[str], typer.Option(
+        help="debug, info (default: a line per request too) or warning (only what needs attention). "
+             "Env: ART_BACKEND_LOG_LEVEL.")] = None,
     model: Annotated[Optional[str], typer.Option(
         help="Hugging Face hub id (e.g. Qwen/Qwen2.5-7B-Instruct; from the hub cache, else downloaded) or local "
              "model directory (default: the embedded SmolLM2-135M-Instruct). Env: ART_BACKEND_MODEL.")] = None,
@@ -103,7 +106,7 @@ def serve(
     if engine not in (None, "auto", "torch", "vllm"):
         raise typer.BadParameter(f"{engine!r}: use auto, torch or vllm", param_hint="--engine")
     overrides = {k: v for k, v in {
-        "host": host, "port": port, "model": model, "revision": revision, "served_model_name": served_model_name,
+        "host": host, "port": port, "log_level": log_level, "model": model, "revision": revision, "served_model_name": served_model_name,
         "api_key": api_key, "cache_dir": cache_dir, "max_model_len": max_model_len,
         "art_dir": art_dir, "dtype": dtype, "max_request_bytes": max_request_bytes, "engine": engine, "gpu_memory_utilization": gpu_memory_utilization,
         "kv_cache_memory_bytes": kv_cache_memory_bytes, "max_loras": max_loras, "max_cpu_loras": max_cpu_loras,
@@ -116,7 +119,9 @@ def serve(
     except ValidationError as error:
         raise typer.BadParameter(str(error)) from None
     require_key_off_loopback(settings.host, settings.api_key, "backend")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.tune_process_memory is None:  # this process is the backend's own
+        settings.tune_process_memory = True
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import uvicorn
 
@@ -128,7 +133,7 @@ def serve(
     except ModelNotFoundError as error:  # the message names the model and the fix: no traceback to read through
         typer.echo(f"Error: {error}", err=True)
         raise typer.Exit(2) from None
-    uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(application, host=settings.host, port=settings.port, log_level=settings.log_level)
 
 
 @app.command()

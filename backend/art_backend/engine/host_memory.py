@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import logging
 import os
 import sys
@@ -47,7 +46,7 @@ def return_freed_memory_to_os() -> None:
         return
     _done = True
     try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own: a preloaded allocator's, where one is
     except (OSError, AttributeError) as error:  # not glibc (musl has no mallopt to set)
         logger.info("Host memory: no glibc mallopt (%r); freed tensors may stay in the allocator's heap", error)
         return

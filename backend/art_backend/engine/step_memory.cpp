@@ -138,8 +138,12 @@ bool reuse_step_memory(bool on, int64_t max_kept_bytes) {
   return StepAllocator::instance().set(on, static_cast<size_t>(max_kept_bytes));
 }
 
+// Whether this allocator is torch's CPU allocator now: once installed it stays for the process.
+bool step_memory_installed() { return c10::GetCPUAllocator() == &StepAllocator::instance(); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(art_cpu_kernels, m) {
   m.def("reuse_step_memory(bool on, int max_kept_bytes) -> bool", &reuse_step_memory);
+  m.def("step_memory_installed() -> bool", &step_memory_installed);
 }

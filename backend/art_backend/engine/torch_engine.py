@@ -122,12 +122,16 @@ class TorchEngine:
                  max_model_len: int | None = None, max_batch_size: int = 64,
                  prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
                  prefix_cache_idle_seconds: float = PREFIX_CACHE_IDLE_SECONDS, threads: int | None = None,
-                 dtype: str = "float32", cpu_kernels: bool = True) -> None:
+                 dtype: str = "float32", cpu_kernels: bool = True, tune_process_memory: bool = False) -> None:
         """`prefix_cache_bytes`, `prefix_cache_idle_seconds`: the store of finished turns' KV, and
         how long it is kept once no request is left (inf: until pushed out). `dtype`: the serving
         forward's weights and matmuls (see `LeanLlama`); on GPU always the model's bfloat16.
-        `cpu_kernels`: decode with the fused kernels of `cpu_kernels.cpp`."""
-        return_freed_memory_to_os()  # else the process keeps its peak after each step (host_memory.py)
+        `cpu_kernels`: decode with the fused kernels of `cpu_kernels.cpp`. `tune_process_memory`: change
+        this process's host memory handling for the engine's sake (host_memory.py); only for a process
+        the backend owns, or where its user asked."""
+        if tune_process_memory:
+            return_freed_memory_to_os()  # else the process keeps its peak after each step
+        self._tune_process_memory = tune_process_memory
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.base_model_name = served_model_name or Path(model_dir).name
@@ -176,6 +180,8 @@ class TorchEngine:
         # over float32 layouts: exact integer groups plus the unmerged delta decode faster than a
         # merged float32 copy (embedded model, 16 rows: 439 against 331 tok/s)
         self._merge_adapters = self.lean.weights_dtype == torch.float32 and not self.lean.grouped_matrices
+        # the kernels' allocator that reuses freed blocks within a step or a prefill, where allowed
+        self._step_memory = self.lean.kernels if self._tune_process_memory else None
         self._cache = self.lean.new_cache()
         self._prefix_budget = self._prefix_cache_bytes // self._cache.bytes_per_token
         logger.info("Loaded %s in %.1f s on %s (serving weights %s, %s)", model_dir, time.perf_counter() - started,
@@ -246,7 +252,7 @@ class TorchEngine:
         def step() -> dict[str, float]:
             waited = time.perf_counter() - asked
             if self._trainer is None:
-                self._trainer = LoraTrainer(self.model, cpu_kernels=self.lean.kernels)
+                self._trainer = LoraTrainer(self.model, step_memory=self._step_memory)
             return {**self._trainer.step(model_name, sequences, config, lora, resume_from, save_to),
                     "wait_seconds": waited}
 
@@ -353,7 +359,7 @@ class TorchEngine:
                 # a prefill's layers free and remake the same sizes (a decode step's tensors are
                 # too small to gain: measured, the main job ran no faster)
                 if self._waiting:
-                    with reusing_freed_memory(self.lean.kernels):
+                    with reusing_freed_memory(self._step_memory):
                         self._admit()
                 if self._active:
                     self._decode_step()

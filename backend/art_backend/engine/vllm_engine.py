@@ -47,6 +47,7 @@ from art_backend.engine.base import (
     end_of_turn_ids,
     is_base_model,
 )
+from art_backend.engine.host_memory import return_freed_memory_to_os
 from art_backend.engine.sampling import LOWEST_LOGPROB
 from art_backend.engine import vllm_policy_logprobs as policy_logprobs
 from art_backend.grammar import Constrainer, GrammarError
@@ -134,10 +135,14 @@ class VLLMEngine:
                  gpu_memory_utilization: float | None = None, kv_cache_memory_bytes: int | None = None,
                  max_loras: int = 4, max_cpu_loras: int | None = None, max_lora_rank: int = 16,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                 engine_args: Mapping[str, Any] | None = None) -> None:
+                 engine_args: Mapping[str, Any] | None = None, tune_process_memory: bool = False) -> None:
         """`dtype`: the weights' precision on CPU (float32 by default, the trainer's, so sampled
         logprobs match its recomputation); on a GPU always bfloat16. `engine_args`: any further
-        `vllm.AsyncEngineArgs` fields, passed through (they win over ours)."""
+        `vllm.AsyncEngineArgs` fields, passed through (they win over ours). `tune_process_memory`:
+        freed host memory goes back to the system after each training step (host_memory.py), in a
+        process the backend owns or where its user asked."""
+        if tune_process_memory:
+            return_freed_memory_to_os()
         vllm = import_vllm()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.inputs.engine import tokens_input

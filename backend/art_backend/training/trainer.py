@@ -28,7 +28,7 @@ from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from art_backend.engine.host_memory import return_freed_memory_to_os, reusing_freed_memory
+from art_backend.engine.host_memory import reusing_freed_memory
 from art_backend.kill_points import kill_point
 from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.loss import LossConfig, LossTerms, policy_loss
@@ -129,14 +129,14 @@ def loss_config(config: TrainConfig) -> LossConfig:
 
 class LoraTrainer:
     def __init__(self, model: PreTrainedModel, first_adapter: FirstAdapter = _peft_first_adapter,
-                 packing: bool = True, cpu_kernels: Any | None = None) -> None:
+                 packing: bool = True, step_memory: Any | None = None) -> None:
         """`packing`: run each step's sequences as prefix trees (packing.py), which takes a model
         whose attention goes through transformers' attention interface: on CPU it attends per
         tree segment (tree_attention.py), elsewhere with the row's 4D mask as given (SDPA and
         eager attention apply it).
-        `cpu_kernels` (`load_cpu_kernels()`, on CPU): a step reuses the host memory it frees."""
-        return_freed_memory_to_os()  # else the process keeps each step's peak (host_memory.py)
-        self.cpu_kernels = cpu_kernels
+        `step_memory` (`load_cpu_kernels()`, on CPU, in a process whose allocator may be swapped): a
+        step reuses the host memory it frees (host_memory.py)."""
+        self.step_memory = step_memory
         self.base = model
         self.first_adapter = first_adapter
         self.packing = packing
@@ -191,7 +191,7 @@ class LoraTrainer:
         if not sequences:  # a step without signal: the adapter and optimizer go on unchanged
             self._save(key, optimizer, save_to)
             return {"train_seconds": time.perf_counter() - started}
-        with reusing_freed_memory(self.cpu_kernels):
+        with reusing_freed_memory(self.step_memory):
             self.peft.train()
             self._checkpoint_activations(config.gradient_checkpointing)
             sums = self.accumulate_gradients(sequences, config)
