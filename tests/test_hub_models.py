@@ -15,7 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from art_backend.model_store import EMBEDDED_MODEL_NAME, ModelNotFoundError, resolve_model_dir
+from art_backend.model_store import (EMBEDDED_HUB_ID, EMBEDDED_MODEL_NAME, ModelNotFoundError, resolve_model_dir,
+                                     served_names)
 
 from art_integrations import Model, TrainableModel
 from art_integrations.backend import BackendError, LocalBackend
@@ -213,7 +214,46 @@ async def test_a_scored_model_registered_first_starts_a_lazy_backend_on_the_defa
     monkeypatch.delenv("ART_BACKEND_MODEL", raising=False)
     async with LocalBackend(art_dir=tmp_path) as backend:
         await Model(name="prompted", project="p").register(backend)
-        assert [m["id"] for m in await _served(backend)] == [EMBEDDED_MODEL_NAME]
+        assert [m["id"] for m in await _served(backend)] == [EMBEDDED_MODEL_NAME, EMBEDDED_HUB_ID]
+
+
+async def test_the_embedded_model_answers_to_both_its_names_from_a_cold_backend_offline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenPipe's tic-tac-toe example names its base model so; with no hub cache and no network the
+    packaged copy is served under the name registered first, and under the other as an alias."""
+    monkeypatch.delenv("ART_BACKEND_MODEL", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    async with LocalBackend(art_dir=tmp_path) as backend:  # started by the first register, on its base model
+        first = TrainableModel(name="by-hub-id", project="names", base_model=EMBEDDED_HUB_ID)
+        await first.register(backend)
+        second = TrainableModel(name="by-name", project="names", base_model=EMBEDDED_MODEL_NAME)
+        await second.register(backend)
+        assert first.base_model == second.base_model == EMBEDDED_MODEL_NAME
+        client = first.openai_client()
+        for name in (EMBEDDED_HUB_ID, EMBEDDED_MODEL_NAME):
+            reply = await client.chat.completions.create(model=name, max_tokens=2,
+                                                         messages=[{"role": "user", "content": "Hi"}])
+            assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_the_embedded_model_s_names_resolve_to_the_packaged_copy_unless_the_hub_cache_holds_it(
+        hub_cache: Path, tiny_files: dict[str, bytes], cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    packaged = cache_dir / "models" / EMBEDDED_MODEL_NAME
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_cache))  # holds org/tiny, not SmolLM2 (read at import)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    for name in (None, EMBEDDED_MODEL_NAME, EMBEDDED_HUB_ID):
+        assert resolve_model_dir(name, cache_dir) == packaged
+    assert served_names(EMBEDDED_HUB_ID, packaged) == [EMBEDDED_MODEL_NAME, EMBEDDED_HUB_ID]
+    with pytest.raises(ModelNotFoundError, match="is not one.*pass a hub id"):
+        resolve_model_dir(EMBEDDED_MODEL_NAME, cache_dir, revision="v2")
+    write_hub_cache(hub_cache, EMBEDDED_HUB_ID, {MAIN: tiny_files}, {"main": MAIN})  # the hub's own copy, cached
+    snapshot = resolve_model_dir(EMBEDDED_HUB_ID, cache_dir)
+    assert snapshot.name == MAIN and snapshot.parent.parent.name == "models--HuggingFaceTB--SmolLM2-135M-Instruct"
+    assert served_names(EMBEDDED_HUB_ID, snapshot) == [EMBEDDED_HUB_ID, EMBEDDED_MODEL_NAME]
+    assert resolve_model_dir(EMBEDDED_MODEL_NAME, cache_dir) == packaged  # the short name stays the packaged one
 
 
 def test_an_art_script_trains_a_hub_base_model_on_a_backend_given_no_model(offline: Path, tmp_path: Path) -> None:

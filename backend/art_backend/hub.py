@@ -86,3 +86,17 @@ def hub_model_dir(repo_id: str, revision: str | None = None) -> Path:
             f"The hub model {at} has no safetensors weights (only other formats, e.g. .bin or .gguf, which are not "
             "downloaded). Pick a repo with safetensors, or convert it and pass the local directory.")
     return snapshot
+
+
+def cached_hub_model_dir(repo_id: str) -> Path | None:
+    """The snapshot of `repo_id` at main in the hub cache, or None when the cache lacks it (nothing is
+    downloaded, whatever HF_HUB_OFFLINE says)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        snapshot = Path(snapshot_download(repo_id, allow_patterns=_MODEL_FILES, ignore_patterns=_OTHER_FOLDERS,
+                                          local_files_only=True))
+    except LocalEntryNotFoundError:
+        return None
+    return snapshot if (snapshot / "config.json").is_file() and any(snapshot.glob("*.safetensors")) else None

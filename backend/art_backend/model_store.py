@@ -22,6 +22,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model's id on the hub
 TINY_MODEL_NAME = "tiny-random-smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TINY_HIDDEN_SIZE = 128
@@ -155,16 +156,22 @@ def looks_like_path(model: str) -> bool:
 def resolve_model_dir(model: str | None, cache_dir: Path, revision: str | None = None) -> Path:
     """The model directory to serve: the `model` setting (a directory, the tiny test model, or a
     hub id at `revision`), else the embedded default."""
-    from art_backend.hub import hub_model_dir  # here: hub.py raises this module's ModelNotFoundError
+    from art_backend.hub import cached_hub_model_dir, hub_model_dir  # here: hub.py raises this module's errors
 
-    if revision is not None and (model is None or model == TINY_MODEL_NAME or looks_like_path(model)):
+    if revision is not None and (model in (None, TINY_MODEL_NAME, EMBEDDED_MODEL_NAME) or looks_like_path(model)):
         raise ModelNotFoundError(f"A revision ({revision!r}) picks a version of a hub model; "
                                  f"{model or EMBEDDED_MODEL_NAME!r} is not one. Leave the revision unset, "
-                                 "or pass a hub id (org/name).")
+                                 f"or pass a hub id (org/name, e.g. {EMBEDDED_HUB_ID}).")
     if model is None:
         return embedded_model_dir(cache_dir)
     if model == TINY_MODEL_NAME:
         return tiny_model_dir(cache_dir)
+    if model == EMBEDDED_MODEL_NAME and not looks_like_path(model):
+        return embedded_model_dir(cache_dir)
+    if model == EMBEDDED_HUB_ID and revision is None:
+        # the hub's own copy where its cache holds one (its weights are not the GGUF's 4-bit ones),
+        # else the packaged copy: never a download, and offline as well as on
+        return cached_hub_model_dir(model) or embedded_model_dir(cache_dir)
     if not looks_like_path(model):
         return hub_model_dir(model, revision)
     path = Path(model).expanduser()
@@ -182,7 +189,9 @@ def served_names(model: str | None, model_dir: Path) -> list[str]:
     other tools call it), else the directory's name. The others are aliases: a path as typed
     (vLLM's name for it) and a hub repo's own name (the directory `hf download --local-dir` makes)."""
     if model is None or model == TINY_MODEL_NAME:
-        return [model_dir.name]
+        return [model_dir.name] + ([EMBEDDED_HUB_ID] if model is None else [])
+    if model in (EMBEDDED_MODEL_NAME, EMBEDDED_HUB_ID) and model_dir.name == EMBEDDED_MODEL_NAME:
+        return [EMBEDDED_MODEL_NAME, EMBEDDED_HUB_ID]  # the packaged copy, under both its names
     if looks_like_path(model):
         return list(dict.fromkeys([model_dir.name, model]))
     return [model, model.rsplit("/", 1)[-1]]
