@@ -33,6 +33,7 @@ from tests.conftest import ServerThread, free_port, scored_group
 TINY = "tiny-random-smollm2"
 AFTER_COMMIT = ("step_committed", "history_appended", "step_published")  # the step exists once restarted
 CONFIG = TrainConfig(learning_rate=1e-3)
+RECOVERY_PASSES = "history_appended"  # the kill point in publishing a step, which a restart's recovery runs too
 
 
 @contextmanager
@@ -69,16 +70,17 @@ def _killed(process: subprocess.Popen[bytes]) -> None:
     assert process.wait(timeout=120) == -signal.SIGKILL
 
 
-async def _registered(process: subprocess.Popen[bytes], **register: Any) -> tuple[RemoteBackend, TrainableModel]:
+async def _registered(process: subprocess.Popen[bytes], name: str = "agent",
+                      **register: Any) -> tuple[RemoteBackend, TrainableModel]:
     backend = RemoteBackend(process.url)  # type: ignore[attr-defined]
-    model = TrainableModel(name="agent", project="crash")
+    model = TrainableModel(name=name, project="crash")
     await model.register(backend, **register)
     return backend, model
 
 
-def _check_stored(art_dir: Path, steps: int) -> None:
+def _check_stored(art_dir: Path, steps: int, name: str = "agent") -> None:
     """What the operator checked on disk after each restart."""
-    directory = art_dir / "crash" / "models" / "agent"
+    directory = art_dir / "crash" / "models" / name
     checkpoints = directory / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".damaged")) == \
         [f"{step:04d}" for step in range(1, steps + 1)]  # no staging or half-deleted leftovers
@@ -97,7 +99,16 @@ async def _greedy_logprob(model: TrainableModel, served: str) -> float:
     return reply.choices[0].logprobs.content[0].logprob
 
 
+async def _killed_by_its_train_step(process: subprocess.Popen[bytes], model: TrainableModel,
+                                    groups: list[Any]) -> None:
+    with pytest.raises(BackendError, match="connection broke"):
+        await model.train(groups, CONFIG)
+    _killed(process)
+
+
 async def test_a_backend_killed_at_any_moment_recovers_every_acknowledged_step(tmp_path: Path) -> None:
+    """Each restart checks what the kill before it left, and, started with the next moment to kill
+    at, is killed by its own next train step: one start per moment."""
     art_dir = tmp_path / ".art"
     with backend_process(art_dir) as process:
         backend, model = await _registered(process)
@@ -105,15 +116,15 @@ async def test_a_backend_killed_at_any_moment_recovers_every_acknowledged_step(t
         assert (await model.train(groups, CONFIG)).step == 1
         first = await _greedy_logprob(model, "agent@1")
         await backend.close()
+    with backend_process(art_dir, kill_at=MOMENTS[0]) as process:
+        backend, model = await _registered(process)
+        await _killed_by_its_train_step(process, model, groups)
+        await backend.close()
     acknowledged = 1
-    for moment in MOMENTS:
-        with backend_process(art_dir, kill_at=moment) as process:
-            backend, model = await _registered(process)
-            with pytest.raises(BackendError, match="connection broke"):
-                await model.train(groups, CONFIG)
-            _killed(process)
-            await backend.close()
-        with backend_process(art_dir) as process:
+    for moment, next_moment in zip(MOMENTS, [*MOMENTS[1:], None]):
+        # a restart after a kill at step_committed publishes the step itself, passing RECOVERY_PASSES
+        recovering_at = None if next_moment == RECOVERY_PASSES else next_moment
+        with backend_process(art_dir, kill_at=recovering_at) as process:
             backend, model = await _registered(process)
             step = await model.get_step()
             assert step == acknowledged + (moment in AFTER_COMMIT), moment
@@ -121,29 +132,40 @@ async def test_a_backend_killed_at_any_moment_recovers_every_acknowledged_step(t
             served = {m.id for m in (await model.openai_client().models.list()).data}
             assert {f"agent@{s}" for s in range(step + 1)} | {"agent"} <= served
             assert await _greedy_logprob(model, "agent@1") == pytest.approx(first, abs=1e-5)
-            assert (await model.train(groups, CONFIG)).step == step + 1  # continues by exactly one step
+            acknowledged = step
+            if next_moment is not None and next_moment != RECOVERY_PASSES:
+                await _killed_by_its_train_step(process, model, groups)
+                await backend.close()
+                continue
+            if next_moment is not None:  # a process of its own for this one
+                await backend.close()
+                process.terminate()
+                process.wait(timeout=60)
+                with backend_process(art_dir, kill_at=next_moment) as killed:
+                    backend, model = await _registered(killed)
+                    await _killed_by_its_train_step(killed, model, groups)
+                    await backend.close()
+                continue
+            # the last restart (no kill moment) continues by exactly one step, then is killed during
+            # rollouts, and the next one between steps: nothing acknowledged is lost
+            assert (await model.train(groups, CONFIG)).step == step + 1
             acknowledged = step + 1
+            client = model.openai_client(max_retries=0)
+            started = [asyncio.Event() for _ in range(8)]
+
+            async def rollout(i: int) -> None:
+                stream = await client.chat.completions.create(
+                    model="agent", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=1500, stream=True,
+                    extra_body={"ignore_eos": True})
+                async for _ in stream:
+                    started[i].set()
+
+            rollouts = [asyncio.create_task(rollout(i)) for i in range(8)]
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), timeout=120)
+            process.send_signal(signal.SIGKILL)  # every rollout is mid-generation
+            _killed(process)
+            assert all(isinstance(r, Exception) for r in await asyncio.gather(*rollouts, return_exceptions=True))
             await backend.close()
-
-    # during rollouts, and between steps: nothing acknowledged is lost
-    with backend_process(art_dir) as process:
-        backend, model = await _registered(process)
-        client = model.openai_client(max_retries=0)
-        started = [asyncio.Event() for _ in range(8)]
-
-        async def rollout(i: int) -> None:
-            stream = await client.chat.completions.create(
-                model="agent", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=1500, stream=True,
-                extra_body={"ignore_eos": True})
-            async for _ in stream:
-                started[i].set()
-
-        rollouts = [asyncio.create_task(rollout(i)) for i in range(8)]
-        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), timeout=120)
-        process.send_signal(signal.SIGKILL)  # every rollout is mid-generation
-        _killed(process)
-        assert all(isinstance(r, Exception) for r in await asyncio.gather(*rollouts, return_exceptions=True))
-        await backend.close()
     with backend_process(art_dir) as process:
         backend, model = await _registered(process)
         assert await model.get_step() == acknowledged
@@ -172,33 +194,36 @@ DAMAGES = {
 
 
 async def test_a_damaged_checkpoint_is_refused_by_name_and_fallen_back_from_only_when_asked(tmp_path: Path) -> None:
-    trained = tmp_path / "trained"
-    with backend_process(trained) as process:
-        backend, model = await _registered(process)
-        groups = [await scored_group(model, "a", [0.0, 1.0, 0.5])]
-        for step in (1, 2):
-            assert (await model.train(groups, CONFIG)).step == step
-        await backend.close()
+    """One model per kind of damage, all in one art dir: a restart meets them all."""
+    art_dir = tmp_path / ".art"
+    names = {damage: damage.replace(" ", "-") for damage in DAMAGES}
+    with backend_process(art_dir) as process:
+        for name in names.values():
+            backend, model = await _registered(process, name)
+            groups = [await scored_group(model, "a", [0.0, 1.0, 0.5])]
+            for step in (1, 2):
+                assert (await model.train(groups, CONFIG)).step == step
+            await backend.close()
     for damage, (file, spoil) in DAMAGES.items():
-        art_dir = tmp_path / damage.replace(" ", "-")
-        shutil.copytree(trained, art_dir)
-        spoil(art_dir / "crash" / "models" / "agent" / "checkpoints" / "0002" / file)
-        with backend_process(art_dir) as process:
-            with pytest.raises(BackendError, match=rf"\(409\): Step 2 of crash/agent does not load.*0002/{file}"):
-                await _registered(process)
+        spoil(art_dir / "crash" / "models" / names[damage] / "checkpoints" / "0002" / file)
+    with backend_process(art_dir) as process:
+        for damage, (file, _) in DAMAGES.items():
+            name = names[damage]
+            with pytest.raises(BackendError, match=rf"\(409\): Step 2 of crash/{name} does not load.*0002/{file}"):
+                await _registered(process, name)
             backend = RemoteBackend(process.url)  # type: ignore[attr-defined]
             with pytest.raises(BackendError, match="not registered"):  # so it can never train from scratch
-                await backend.request("POST", "/v1/training/models/crash/agent/train",
+                await backend.request("POST", f"/v1/training/models/crash/{name}/train",
                                       {"groups": [group.model_dump(mode="json") for group in groups]})
-            model = TrainableModel(name="agent", project="crash")
+            model = TrainableModel(name=name, project="crash")
             await model.register(backend, fall_back=True)
             assert await model.get_step() == 1, damage
-            checkpoints = art_dir / "crash" / "models" / "agent" / "checkpoints"
+            checkpoints = art_dir / "crash" / "models" / name / "checkpoints"
             assert (checkpoints / ".damaged-0002" / "adapter_config.json").is_file()  # kept for a look
             assert (await model.history())[-1] == {**(await model.history())[-1], "split": "fall_back",
                                                    "step": 1, "moved_aside": [2]}
             assert (await model.train(groups, CONFIG)).step == 2  # from step 1's adapter and optimizer
-            _check_stored(art_dir, 2)
+            _check_stored(art_dir, 2, name)
             await backend.close()
 
 
