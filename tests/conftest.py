@@ -148,6 +148,18 @@ def tiny_server(tiny_engine: TorchEngine) -> Iterator[ServerThread]:
         yield running
 
 
+@pytest.fixture(scope="session")
+def tiny_training_server(tiny_engine: TorchEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    """The tiny model served with the training routes (an art dir of the session's own), for scripts
+    that train through `--backend-url` instead of starting a backend each: give each its own project."""
+    from art_backend.training.service import TrainingService
+
+    art_dir = tmp_path_factory.mktemp("shared-art")
+    with ServerThread(create_app(tiny_engine, training=TrainingService(tiny_engine, art_dir))) as running:
+        running.art_dir = art_dir  # type: ignore[attr-defined]
+        yield running
+
+
 class NotABackend:
     """An app without the backend's `X-Art-Backend` mark on its answers: for the client, another
     OpenAI-compatible server (a judge on a hosted API, a vLLM), whose calls a capture leaves alone."""

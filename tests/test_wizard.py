@@ -37,6 +37,11 @@ def _lint(directory: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+# Each pattern x reward trains a step on the session's tiny backend (`--backend-url`); one also starts
+# its own backend, as a user's first run does, and is run again with --serve.
+OWN_BACKEND = ("single-turn", "programmatic", None)
+
+
 @pytest.mark.parametrize(("pattern", "reward", "agent"), [
     ("single-turn", "programmatic", None), ("single-turn", "ruler", None),
     ("multi-turn", "programmatic", None), ("multi-turn", "ruler", None),
@@ -45,9 +50,12 @@ def _lint(directory: Path) -> None:
     ("agent", "programmatic", "examples.llamaindex_agent.agent:build_agent"),
 ])
 def test_every_pattern_and_reward_writes_a_script_that_trains_a_step(tmp_path: Path, tiny_model_dir: Path,
-                                                                     pattern: str, reward: str,
-                                                                     agent: str | None) -> None:
-    flags = ["--pattern", pattern, "--reward", reward, "--model", str(tiny_model_dir), *ONE_STEP]
+                                                                     request: pytest.FixtureRequest, pattern: str,
+                                                                     reward: str, agent: str | None) -> None:
+    own_backend = (pattern, reward, agent) == OWN_BACKEND
+    # served names are unique on one backend: each script its own on the shared one
+    name = "agent-001" if own_backend else f"wizard-{pattern}-{reward}" + ("-llamaindex" if agent else "")
+    flags = ["--pattern", pattern, "--reward", reward, "--model", str(tiny_model_dir), "--name", name, *ONE_STEP]
     if agent:
         flags += ["--agent", agent, "--framework", "llamaindex"]
     written = subprocess.run([*WIZARD, str(tmp_path / "train.py"), "--yes", *flags], capture_output=True,
@@ -67,14 +75,18 @@ def test_every_pattern_and_reward_writes_a_script_that_trains_a_step(tmp_path: P
         # random, not read from the replies: two rollouts that both stop at max_tokens can read alike
         text = text.replace("\ndef reward(", "\nimport random\n\n\ndef reward(")
         script.write_text(text.replace(check, "    return random.random()  # a reward that varies\n" + check))
-    run = subprocess.run([sys.executable, "train.py"], capture_output=True, text=True, cwd=tmp_path, env=_env(),
-                         timeout=900)
+    if own_backend:
+        command, art_dir = [sys.executable, "train.py"], tmp_path / ".art"
+    else:
+        server = request.getfixturevalue("tiny_training_server")
+        command, art_dir = [sys.executable, "train.py", "--backend-url", server.base_url], server.art_dir
+    run = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "held-out score of the base model: " in run.stdout
     assert "step 1/1: reward mean " in run.stdout and "checkpoint " in run.stdout
-    assert "Trained model: agent-001 (step " in run.stdout and "curl http://127.0.0.1:" in run.stdout
+    assert f"Trained model: {name} (step " in run.stdout and "curl http://127.0.0.1:" in run.stdout
     history = [json.loads(line) for line in
-               (tmp_path / ".art" / "my-project" / "models" / "agent-001" / "history.jsonl").read_text().splitlines()]
+               (art_dir / "my-project" / "models" / name / "history.jsonl").read_text().splitlines()]
     assert [h["split"] for h in history if h.get("split") == "val"] == ["val", "val"]  # before and after
     # RULER's judge (the tiny model) scores each group or fails on it, which drops the group: both run through
     assert ("after_each=score_group" in script.read_text()) == (reward == "ruler")
@@ -82,6 +94,8 @@ def test_every_pattern_and_reward_writes_a_script_that_trains_a_step(tmp_path: P
     assert "checkpoint 1" in run.stdout  # a step, even where a judge dropped the group
     if reward == "programmatic":
         assert "groups trained 1/1" in run.stdout  # the random reward gives the group signal
+    if not own_backend:
+        return
     # run again with --serve: it resumes with nothing left to train, then serves the model until Ctrl-C
     again = subprocess.Popen([sys.executable, "train.py", "--serve"], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=_env())
