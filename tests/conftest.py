@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -148,14 +149,22 @@ def tiny_server(tiny_engine: TorchEngine) -> Iterator[ServerThread]:
         yield running
 
 
+@contextmanager
+def training_server(engine: Engine, art_dir: Path) -> Iterator[ServerThread]:
+    """`engine` served with the training routes over `art_dir`: what `art-backend serve` is, in this
+    process, for scripts run with `--backend-url` (a backend start saved per script)."""
+    from art_backend.training.service import TrainingService
+
+    with ServerThread(create_app(engine, training=TrainingService(engine, art_dir))) as running:
+        yield running
+
+
 @pytest.fixture(scope="session")
 def tiny_training_server(tiny_engine: TorchEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     """The tiny model served with the training routes (an art dir of the session's own), for scripts
     that train through `--backend-url` instead of starting a backend each: give each its own project."""
-    from art_backend.training.service import TrainingService
-
     art_dir = tmp_path_factory.mktemp("shared-art")
-    with ServerThread(create_app(tiny_engine, training=TrainingService(tiny_engine, art_dir))) as running:
+    with training_server(tiny_engine, art_dir) as running:
         running.art_dir = art_dir  # type: ignore[attr-defined]
         yield running
 

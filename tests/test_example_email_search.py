@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from typing import Any
 from contextlib import closing
 from pathlib import Path
 
@@ -29,10 +30,10 @@ from examples.email_search.task import (
     scenarios,
     score,
 )
-from tests.conftest import run_example
+from tests.conftest import run_example, training_server
 
-TINY = ["--model", "tiny-random-smollm2", "--steps", "1", "--scenarios-per-step", "1", "--rollouts", "2",
-        "--held-out", "2"]
+# one tiny step, on a backend serving the tiny model (`--backend-url`)
+STEP = ["--steps", "1", "--scenarios-per-step", "1", "--rollouts", "2", "--held-out", "2"]
 
 # ---------------------------------------------------------------------------------------------
 # the inbox
@@ -185,8 +186,12 @@ def test_made_up_ids_and_malformed_steps_are_penalised() -> None:
 # the commands
 
 
-def test_train_runs_a_tiny_step_and_evaluate_prints_the_table(tmp_path: Path) -> None:
-    out = run_example("examples.email_search.train", *TINY, "--art-dir", str(tmp_path))
+def test_train_runs_a_tiny_step_and_evaluate_prints_the_table(tmp_path: Path, tiny_engine: Any) -> None:
+    with training_server(tiny_engine, tmp_path) as backend:  # the job against `art-backend serve`
+        out = run_example("examples.email_search.train", *STEP, "--art-dir", str(tmp_path), "--backend-url",
+                          backend.base_url)
+        table = run_example("examples.email_search.evaluate", "--backend-url", backend.base_url, "--art-dir",
+                            str(tmp_path), "--held-out", "2", "--models", "tiny-random-smollm2", "email-agent-s0")
     assert "base model held-out score (step 0): " in out
     assert "step 1/1:" in out  # the batch trained, or skipped when its rewards were all equal
     assert "answer_right" in out and "cited_source" in out
@@ -194,20 +199,19 @@ def test_train_runs_a_tiny_step_and_evaluate_prints_the_table(tmp_path: Path) ->
     model_dir = tmp_path / "email-search" / "models" / "email-agent-s0"
     assert (model_dir / "learning_curve.png").stat().st_size > 1000
     assert (model_dir / "history.jsonl").is_file()
-
-    table = run_example("examples.email_search.evaluate", "--model", "tiny-random-smollm2", "--art-dir", str(tmp_path),
-                        "--held-out", "2", "--models", "tiny-random-smollm2", "email-agent-s0")
     header, *rows = table.strip().splitlines()
     assert header.split()[:3] == ["model", "held-out", "score"] and "read_email" in header
     assert [row.split()[0] for row in rows] == ["tiny-random-smollm2", "email-agent-s0"]
     assert all(0.0 <= float(value) <= 1.0 for row in rows for value in row.split()[1:])
 
 
-def test_train_with_ruler_scores_or_drops_each_group(tmp_path: Path) -> None:
+def test_train_with_ruler_scores_or_drops_each_group(tmp_path: Path, tiny_engine: Any) -> None:
     # The tiny random model is a hopeless judge: its answer is cut off or invalid, and the group
     # is dropped (the reason goes to the log); should it ever answer, the step trains on RULER's
     # scores with the task's reward kept as metrics/independent_reward (unless it scored both alike).
-    out = run_example("examples.email_search.train", *TINY, "--art-dir", str(tmp_path), "--ruler")
+    with training_server(tiny_engine, tmp_path) as backend:  # the judge: the backend's own base model
+        out = run_example("examples.email_search.train", *STEP, "--art-dir", str(tmp_path), "--ruler",
+                          "--backend-url", backend.base_url)
     step = next(line for line in out.splitlines() if line.startswith("step "))
     model_dir = tmp_path / "email-search" / "models" / "email-agent-s0"
     untrained = [r for r in map(json.loads, (model_dir / "history.jsonl").read_text().splitlines())

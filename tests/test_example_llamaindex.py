@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from art_backend.training.tokenize import TokenizeStats, tokenize_trajectory
@@ -13,7 +14,7 @@ from examples.llamaindex_agent.agent import SYSTEM_PROMPT, TOOLS, convert_length
 from examples.llamaindex_agent.rollout import rollout
 from examples.llamaindex_agent.task import Scenario, convert, format_number, scenarios, score
 from examples.runner import Policy
-from tests.conftest import ServerThread, run_example
+from tests.conftest import ServerThread, run_example, training_server
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning")
 
@@ -72,15 +73,15 @@ async def test_a_rollout_captures_the_function_agent(server: ServerThread) -> No
     assert len(tokenize_trajectory(trajectory, 1.0, "rollout", stats, 8192)) == 1 + stats.prefix_breaks
 
 
-def test_llamaindex_example_trains_a_step_and_evaluates(tmp_path: Path) -> None:
-    out = run_example("examples.llamaindex_agent.train", "--model", "tiny-random-smollm2", "--steps", "1",
-                      "--scenarios-per-step", "1", "--rollouts", "2", "--held-out", "2", "--art-dir", str(tmp_path))
+def test_llamaindex_example_trains_a_step_and_evaluates(tmp_path: Path, tiny_engine: Any) -> None:
+    with training_server(tiny_engine, tmp_path) as backend:  # the job against `art-backend serve`
+        out = run_example("examples.llamaindex_agent.train", "--backend-url", backend.base_url, "--steps", "1",
+                          "--scenarios-per-step", "1", "--rollouts", "2", "--held-out", "2", "--art-dir", str(tmp_path))
+        table = run_example("examples.llamaindex_agent.evaluate", "--backend-url", backend.base_url, "--art-dir",
+                            str(tmp_path), "--held-out", "2", "--models", "tiny-random-smollm2", "units-agent-s0")
     assert "base model held-out score (step 0)" in out and "held-out score: base" in out
     step = next(line for line in out.splitlines() if line.startswith("step "))  # step 0/1 if nothing to learn
     assert "right_units" in step and " sequences, groups trained " in step
     model_dir = tmp_path / "llamaindex-units" / "models" / "units-agent-s0"
     assert (model_dir / "learning_curve.png").stat().st_size > 1000 and (model_dir / "history.jsonl").is_file()
-
-    table = run_example("examples.llamaindex_agent.evaluate", "--model", "tiny-random-smollm2", "--art-dir",
-                        str(tmp_path), "--held-out", "2", "--models", "tiny-random-smollm2", "units-agent-s0")
     assert "held-out score" in table and "right_units" in table and "units-agent-s0" in table

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from art_backend.training.tokenize import TokenizeStats, tokenize_trajectory
@@ -14,7 +15,7 @@ from examples.runner import Policy
 from examples.supervisor.agent import RESEARCH_QUESTIONS, RESEARCHER_PROMPT, SUPERVISOR_PROMPT
 from examples.supervisor.rollout import rollout, sub_agent_histories, tool_calls
 from examples.supervisor.task import PRODUCTS, Scenario, fact, scenarios, score
-from tests.conftest import ServerThread, run_example
+from tests.conftest import ServerThread, run_example, training_server
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning")
 
@@ -94,15 +95,15 @@ async def test_a_rollout_trains_the_sub_agent_as_an_additional_history(server: S
     assert len(sequences) == 2 + stats.prefix_breaks and stats.prefix_breaks == main_only.prefix_breaks
 
 
-def test_supervisor_example_trains_a_step_and_evaluates(tmp_path: Path) -> None:
-    out = run_example("examples.supervisor.train", "--model", "tiny-random-smollm2", "--steps", "1",
-                      "--scenarios-per-step", "1", "--rollouts", "2", "--held-out", "2", "--art-dir", str(tmp_path))
+def test_supervisor_example_trains_a_step_and_evaluates(tmp_path: Path, tiny_engine: Any) -> None:
+    with training_server(tiny_engine, tmp_path) as backend:  # the job against `art-backend serve`
+        out = run_example("examples.supervisor.train", "--backend-url", backend.base_url, "--steps", "1",
+                          "--scenarios-per-step", "1", "--rollouts", "2", "--held-out", "2", "--art-dir", str(tmp_path))
+        table = run_example("examples.supervisor.evaluate", "--backend-url", backend.base_url, "--art-dir",
+                            str(tmp_path), "--held-out", "2", "--models", "tiny-random-smollm2", "shop-supervisor-s0")
     assert "base model held-out score (step 0)" in out and "held-out score: base" in out
     step = next(line for line in out.splitlines() if line.startswith("step "))  # step 0/1 if nothing to learn
     assert "sub_agent_histories" in step and " sequences, groups trained " in step
     model_dir = tmp_path / "supervisor" / "models" / "shop-supervisor-s0"
     assert (model_dir / "learning_curve.png").stat().st_size > 1000 and (model_dir / "history.jsonl").is_file()
-
-    table = run_example("examples.supervisor.evaluate", "--model", "tiny-random-smollm2", "--art-dir", str(tmp_path),
-                        "--held-out", "2", "--models", "tiny-random-smollm2", "shop-supervisor-s0")
     assert "held-out score" in table and "sub_agent_histories" in table and "shop-supervisor-s0" in table

@@ -28,7 +28,7 @@ from examples.tic_tac_toe.game import (
 )
 from examples.tic_tac_toe.rollout import EXAMPLE, rollout
 from examples.tic_tac_toe.task import score
-from tests.conftest import ServerThread, run_example
+from tests.conftest import ServerThread, run_example, training_server
 
 # ----- rules ---------------------------------------------------------------------------------
 
@@ -182,18 +182,17 @@ async def test_a_captured_game_is_one_token_exact_sequence(tiny_server: ServerTh
 # ----- the commands --------------------------------------------------------------------------
 
 
-def test_train_runs_a_tiny_step_and_evaluate_prints_the_table(tmp_path: Path) -> None:
-    args = ["--model", "tiny-random-smollm2", "--steps", "1", "--scenarios-per-step", "1", "--rollouts", "2",
-            "--held-out", "2", "--art-dir", str(tmp_path)]
-    out = run_example("examples.tic_tac_toe.train", *args)
+def test_train_runs_a_tiny_step_and_evaluate_prints_the_table(tmp_path: Path, tiny_engine: Any) -> None:
+    args = ["--steps", "1", "--scenarios-per-step", "1", "--rollouts", "2", "--held-out", "2", "--art-dir", str(tmp_path)]
+    with training_server(tiny_engine, tmp_path) as backend:  # the job against `art-backend serve`
+        out = run_example("examples.tic_tac_toe.train", *args, "--backend-url", backend.base_url)
+        table = run_example("examples.tic_tac_toe.evaluate", "--backend-url", backend.base_url, "--art-dir",
+                            str(tmp_path), "--held-out", "2", "--models", "tiny-random-smollm2", "tic-tac-toe-agent-s0")
     assert "base model held-out score (step 0)" in out
     assert "win" in out and "illegal_move" in out and "held-out score: base" in out
     model_dir = tmp_path / "tic-tac-toe" / "models" / "tic-tac-toe-agent-s0"
     assert (model_dir / "learning_curve.png").stat().st_size > 1000
     assert (model_dir / "history.jsonl").is_file()
-
-    table = run_example("examples.tic_tac_toe.evaluate", "--model", "tiny-random-smollm2", "--art-dir", str(tmp_path),
-                        "--held-out", "2", "--models", "tiny-random-smollm2", "tic-tac-toe-agent-s0")
     header, *rows = table.strip().splitlines()[-3:]
     assert header.split()[:3] == ["model", "held-out", "score"] and "illegal_move" in header
     assert [row.split()[0] for row in rows] == ["tiny-random-smollm2", "tic-tac-toe-agent-s0"]

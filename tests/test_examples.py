@@ -12,11 +12,9 @@ import sys
 import pytest
 
 from art_backend.engine.torch_engine import TorchEngine
-from art_backend.server import create_app
-from art_backend.training.service import TrainingService
 from examples.city_facts.task import QUESTIONS, Scenario, scenarios, score
 from examples.runner import Policy, no_signal_note, rollout_seed
-from tests.conftest import ServerThread, run_example
+from tests.conftest import run_example, training_server
 
 
 def test_city_facts_main_job_runs_a_step_and_resumes(tmp_path: Path, tiny_engine: TorchEngine) -> None:
@@ -31,17 +29,16 @@ def test_city_facts_main_job_runs_a_step_and_resumes(tmp_path: Path, tiny_engine
     assert (model_dir / "checkpoints" / "0001").is_dir()  # a step, even where the rollouts all scored alike
     trained = [json.loads(line) for line in (model_dir / "history.jsonl").read_text().splitlines()][1]
     assert trained["step"] == 1 and trained["scale_rewards"] is False  # the example's advantages, as trained
-    again = run_example("examples.city_facts.train", *args)
+    # run again against a backend running elsewhere (`art-backend serve` on the same art dir, any engine):
+    # it resumes with nothing left to train, and evaluates
+    with training_server(tiny_engine, tmp_path) as running:
+        again = run_example("examples.city_facts.train", *args[2:], "--backend-url", running.base_url)
+        table = run_example("examples.city_facts.evaluate", "--backend-url", running.base_url, "--art-dir",
+                            str(tmp_path), "--held-out", "2", "--models", "tiny-random-smollm2", "city-agent-s0")
+        remote = run_example("examples.city_facts.evaluate", "--backend-url", running.base_url, "--held-out", "2")
     assert "base model held-out score (step 0, from history)" in again
     assert "step 1/1" not in again  # resumed: nothing left to train
-
-    table = run_example("examples.city_facts.evaluate", "--model", "tiny-random-smollm2", "--art-dir", str(tmp_path),
-                        "--held-out", "2", "--models", "tiny-random-smollm2", "city-agent-s0")
     assert "held-out score" in table and "city-agent-s0" in table
-
-    # the same job against a backend running elsewhere (`art-backend serve`, on any engine)
-    with ServerThread(create_app(tiny_engine, training=TrainingService(tiny_engine, tmp_path))) as running:
-        remote = run_example("examples.city_facts.evaluate", "--backend-url", running.base_url, "--held-out", "2")
     assert "tiny-random-smollm2" in remote and "city-agent-s0@" in remote
 
 
