@@ -18,9 +18,9 @@ TEST_THREADS ?= $(shell n=$$(nproc); echo $$(( n / $(TEST_WORKERS) > 0 ? n / $(T
 ENGINE_TESTS := tests/test_openai_api.py tests/test_engines.py tests/test_training_backend.py tests/test_grpo_learns.py \
 	tests/test_chat_families.py
 # Tests whose vLLM part (-m vllm) runs in .venv-vllm beside the engine contract tests
-VLLM_TESTS := $(ENGINE_TESTS) tests/test_gpu_kit.py
+VLLM_TESTS := $(ENGINE_TESTS) tests/test_gpu_kit.py tests/test_export.py
 
-.PHONY: setup setup-vllm setup-art browser run smoke docs test bench-serving bench-llamacpp bench-load bench-vllm-serving bench-lora-serving bench-decode-step bench-training bench-capture bench-rollouts bench-learning gpu-bundle clean
+.PHONY: setup setup-vllm setup-art browser run smoke docs test bench-serving bench-llamacpp bench-load bench-vllm-serving bench-lora-serving bench-decode-step bench-training bench-capture bench-rollouts bench-learning bench-export llama-cpp gpu-bundle clean
 
 # $(call new_venv,DIR,PACKAGES): a venv at DIR with the pinned CPU torch, the embedded model and PACKAGES.
 define new_venv
@@ -99,6 +99,15 @@ bench-serving: setup
 # one stream and 16 against llama.cpp's server (built once from llama-cpp-python's sdist) on the same GGUF and threads
 bench-llamacpp: setup
 	$(BIN)/python benchmarks/bench_llamacpp.py $(ARGS)
+
+# llama.cpp's llama-server and llama-quantize, built once from llama-cpp-python's sdist into the cache dir
+# (minutes of CPU; `make test` does not build them): tests/test_export.py's llama.cpp test runs once they exist
+llama-cpp: setup
+	$(BIN)/python -m art_backend.export.llama_cpp
+
+# a step trained on the embedded model, exported, and each runtime's greedy tokens against the backend's
+bench-export: setup setup-vllm llama-cpp
+	$(BIN)/python benchmarks/bench_export.py $(ARGS)
 
 # 64 concurrent long requests with a GRPO step among them: the server's memory before, at peak, after
 bench-load: setup

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from openai import AsyncOpenAI
 from pydantic import BaseModel, Field, PrivateAttr
 
 from art_integrations.art_config import from_internal_config, from_lora_config, train_config_with
-from art_integrations.backend import Backend
+from art_integrations.backend import Backend, LocalBackend
 from art_integrations.observability.wandb import WandbReporter, reporter_for
 from art_integrations.strict import StrictModel
 from art_integrations.training import LoraConfig, TrainConfig
 from art_integrations.trajectory import TrajectoryGroup
+
+
+ExportFormat = Literal["adapter", "merged", "gguf"]
 
 
 class TrainResult(BaseModel):
@@ -234,3 +239,22 @@ class TrainableModel(Model):
             best_metric = "reward/mean" if best_metric == "reward" else best_metric
         return await self.backend.request("POST", self._path("delete_checkpoints"),
                                           {"best_metric": best_metric, "best_split": best_split})
+
+    async def export(self, format: ExportFormat, out: str | os.PathLike[str], *, step: int | None = None,
+                     quant: str | None = None, modelfile: bool = True) -> dict[str, Any]:
+        """Write step `step` (default: the newest) to the folder `out` for serving elsewhere, as
+        `art-backend export` does. `format`: "adapter" (peft's layout naming the base model's hub
+        id: vLLM's --lora-modules, peft), "merged" (the base with the adapter merged in, safetensors
+        with its tokenizer: transformers, vLLM) or "gguf" (llama.cpp's converter; `quant` "f16" by
+        default, "q8_0", or a type llama-quantize makes such as "q4_k_m"; with an Ollama `Modelfile`
+        unless `modelfile=False`). The backend writes it, on its own machine: `out` must be new or
+        empty, and absolute unless the backend is a LocalBackend. Nothing is left at `out` when it
+        fails. Returns what was written (`files`, name to bytes), the step, the base model."""
+        path = Path(out)
+        if not path.is_absolute():
+            if not isinstance(self.backend, LocalBackend):
+                raise ValueError(f"out={str(out)!r} is relative, but the backend at {self.backend.base_url} writes on "
+                                 "its own machine: pass an absolute path there")
+            path = path.absolute()
+        return await self.backend.request("POST", self._path("export"), {
+            "format": format, "out": str(path), "step": step, "quant": quant, "modelfile": modelfile})

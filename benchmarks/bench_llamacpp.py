@@ -25,18 +25,15 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
-import shutil
-import socket
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from art_backend.config import BackendSettings
+from art_backend.export.llama_cpp import build_tools, start_server
 from art_backend.model_store import embedded_gguf_path, resolve_model_dir
 from bench_serving import (
     chat_messages,
@@ -51,71 +48,7 @@ from process_memory import reset_peak, resident_mib
 
 from art_integrations import LocalBackend
 
-LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built
 TARGETS = {1: 1.0, 16: 2.0}  # concurrency: backend / llama.cpp at least
-NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # where ggml's AMX matmul crashes
-
-
-def build_llama_server(cache_dir: Path, amx: bool = True) -> Path:
-    """`llama-server` from llama-cpp-python's sdist, built once (static, CPU) into `cache_dir`; with
-    `amx=False` without ggml's AMX matmul (its own build, cached apart)."""
-    binary = cache_dir / "llama.cpp" / LLAMA_CPP_PYTHON / ("llama-server" if amx else "llama-server-no-amx")
-    if binary.is_file():
-        return binary
-    for tool in ("cmake", "c++"):
-        if shutil.which(tool) is None:
-            sys.exit(f"Building llama.cpp's server needs {tool}: install it, or pass --llama-server PATH.")
-    with tempfile.TemporaryDirectory(prefix="llama-cpp-") as work:
-        print(f"Building llama-server from llama-cpp-python {LLAMA_CPP_PYTHON}'s sdist, once (a few minutes)...",
-              flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", work], check=True)
-        with tarfile.open(next(Path(work).glob("llama_cpp_python-*.tar.gz"))) as sdist:
-            sdist.extractall(work, filter="data")
-        source = next(Path(work).glob("llama_cpp_python-*/vendor/llama.cpp"))
-        build = Path(work) / "build"
-        subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-                        "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                        "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_APP=OFF",
-                        # offline: no web UI fetched, no HTTPS
-                        "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF",
-                        # explicit -mno-* flags win over the -march=native that ggml adds
-                        *([] if amx else [f"-DCMAKE_{lang}_FLAGS={NO_AMX}" for lang in ("C", "CXX")])],
-                       check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 1)],
-                       check=True, stdout=subprocess.DEVNULL)
-        binary.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(build / "bin" / "llama-server", binary)
-    print(f"Built {binary}", flush=True)
-    return binary
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_llama_server(binary: Path, gguf: Path, threads: int, slots: int, log: Path,
-                       extra: list[str]) -> tuple[subprocess.Popen, str]:
-    """llama-server on a free loopback port, once its /health answers; (process, base URL)."""
-    port = free_port()
-    command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads),
-               "--threads-batch", str(threads), "--parallel", str(slots), "--ctx-size", str(slots * 512), *extra]
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            sys.exit(f"llama-server exited with {process.returncode}; its log: {log}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return process, url
-        except OSError:
-            time.sleep(0.5)
-    process.kill()
-    sys.exit(f"llama-server did not answer /health within 120 s; its log: {log}")
 
 
 def bench(binary: Path, levels: list[int], new_tokens: int, repeats: int, threads: int,
@@ -125,8 +58,8 @@ def bench(binary: Path, levels: list[int], new_tokens: int, repeats: int, thread
     model_dir = resolve_model_dir(None, BackendSettings().cache_dir)  # the GGUF converted, as the backend loads it
     backend = LocalBackend(in_process=False, model=str(model_dir), art_dir=str(logs / "art"),
                            log_file=str(logs / "backend.log"))
-    llama, llama_url = start_llama_server(binary, embedded_gguf_path(), threads, max(levels), logs / "llama-server.log",
-                                          llama_args)
+    llama, llama_url = start_server(binary, embedded_gguf_path(), threads, max(levels), logs / "llama-server.log",
+                                    llama_args)
     print(f"Backend on {backend.base_url}, llama-server on {llama_url}; logs in {logs}", flush=True)
     servers = {"backend": (backend.pid, AsyncOpenAI(base_url=f"{backend.base_url}/v1", api_key="unused",
                                                     max_retries=0, timeout=1800.0)),
@@ -180,7 +113,8 @@ def main() -> None:
     if args.model is not None:
         parser.error("--model: llama.cpp serves the embedded model's GGUF file; this benchmark compares that model only")
     levels = [int(n) for n in args.concurrency.split(",")]
-    binary = args.llama_server or build_llama_server(BackendSettings().cache_dir, amx=not args.no_amx)
+    binary = args.llama_server or build_tools(BackendSettings().cache_dir, ["llama-server"],
+                                              amx=not args.no_amx)["llama-server"]
     print(f"The embedded model ({embedded_gguf_path().name}); concurrency {levels}; {args.new_tokens} new tokens; "
           f"{args.repeats} repeat(s); {args.threads} threads each; llama-server {binary.name}, more args: "
           f"{args.llama_args or 'none'}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} "

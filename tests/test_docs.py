@@ -117,7 +117,7 @@ def test_the_settings_tables_name_every_setting_once_with_its_option() -> None:
 
 def test_every_setting_and_option_the_pages_name_exists() -> None:
     fields = set(BackendSettings.model_fields)
-    commands = {command: _serve_options(command) for command in ("serve", "view")}
+    commands = {command: _serve_options(command) for command in ("serve", "view", "export")}
     wrong = []
     for page in pages():
         text = page.read_text()

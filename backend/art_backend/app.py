@@ -72,6 +72,7 @@ def build_engine(settings: BackendSettings) -> Engine:
 def build_app(settings: BackendSettings) -> FastAPI:
     engine = build_engine(settings)
     return create_app(engine, api_key=settings.api_key, close_engine_on_shutdown=True,
-                      training=TrainingService(engine, settings.art_dir), max_request_bytes=settings.max_request_bytes,
+                      training=TrainingService(engine, settings.art_dir, settings.cache_dir),
+                      max_request_bytes=settings.max_request_bytes,
                       token_records_bytes=settings.token_records_bytes, continuations_bytes=settings.continuations_bytes,
                       tool_call_parser=settings.tool_call_parser, reasoning_parser=settings.reasoning_parser)

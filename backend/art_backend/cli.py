@@ -193,3 +193,51 @@ def view(
                + ("?key=KEY" if settings.api_key else ""))
     app = create_viewer_app(settings.art_dir, Tokenizers(settings.cache_dir, settings.model), settings.api_key)
     uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+@app.command("export")
+def export_command(
+    target: Annotated[str, typer.Argument(
+        metavar="PROJECT/NAME[@STEP]", help="The trained model and its step (default: the newest).")],
+    format_: Annotated[str, typer.Option(
+        "--format", help="adapter (peft's layout, for vLLM --lora-modules and peft), merged (safetensors, for "
+                         "transformers and vLLM) or gguf (llama.cpp's converter, with an Ollama Modelfile).")],
+    out: Annotated[Path, typer.Option(help="The folder to write: new, or empty.")],
+    quant: Annotated[Optional[str], typer.Option(
+        help="gguf: f16 (default), bf16, f32 or q8_0 (llama.cpp's converter), or a type llama-quantize makes, "
+             "e.g. q4_k_m (it is built once from llama.cpp's sources).")] = None,
+    modelfile: Annotated[bool, typer.Option(help="gguf: write an Ollama Modelfile beside the GGUF.")] = True,
+    art_dir: Annotated[Optional[Path], typer.Option(
+        help="Where the backend wrote the model (default .art). Env: ART_BACKEND_ART_DIR.")] = None,
+    model: Annotated[Optional[str], typer.Option(
+        help="The base model the backend served, as `serve --model` took it (default: found from the stored base "
+             "model's name; needed for a local directory). Env: ART_BACKEND_MODEL.")] = None,
+    cache_dir: Annotated[Optional[Path], typer.Option(
+        help="Converted-model and llama.cpp cache. Env: ART_BACKEND_CACHE_DIR.")] = None,
+) -> None:
+    """Export a trained step for vLLM, transformers, llama.cpp or Ollama (no backend needs to run)."""
+    from art_backend.export import ExportError, build, plan, stored_model
+    from art_backend.training.routes import checked_name
+
+    overrides = {k: v for k, v in {"art_dir": art_dir, "model": model, "cache_dir": cache_dir}.items() if v is not None}
+    try:
+        settings = BackendSettings(**overrides)
+    except ValidationError as error:
+        raise typer.BadParameter(str(error)) from None
+    named, _, step_text = target.partition("@")
+    project, _, name = named.partition("/")
+    try:
+        checked_name(project)
+        checked_name(name)
+        step = int(step_text) if step_text else None
+    except ValueError as error:
+        raise typer.BadParameter(f"{target!r}: name the model as PROJECT/NAME or PROJECT/NAME@STEP ({error})",
+                                 param_hint="PROJECT/NAME[@STEP]") from None
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        trained, base = stored_model(settings.art_dir, project, name, settings.cache_dir, settings.model)
+        planned = plan(trained, step, format_, out, base, settings.cache_dir, quant=quant, modelfile=modelfile)
+        build(planned, progress=typer.echo)
+    except ExportError as error:
+        typer.echo(f"Error: {error}", err=True)
+        raise typer.Exit(2) from None

@@ -50,10 +50,11 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def _publish(build: Callable[[Path], None], target: Path) -> Path:
-    """Build a model directory in a temporary sibling and move it into place atomically,
-    so an interrupted conversion never leaves a half-written cache entry behind."""
-    if (target / "config.json").is_file():
+def publish_directory(build: Callable[[Path], None], target: Path, marker: str = "config.json") -> Path:
+    """Build a cache directory (a model's by default, whose `marker` file is its config) in a
+    temporary sibling and move it into place atomically, so an interrupted build never leaves a
+    half-written cache entry behind."""
+    if (target / marker).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
@@ -63,7 +64,7 @@ def _publish(build: Callable[[Path], None], target: Path) -> Path:
         try:
             os.replace(staging, target)
         except OSError:  # another process published it first
-            if not (target / "config.json").is_file():
+            if not (target / marker).is_file():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -92,7 +93,7 @@ def embedded_model_dir(cache_dir: Path) -> Path:
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
 
-    return _publish(convert, cache_dir / "models" / EMBEDDED_MODEL_NAME)
+    return publish_directory(convert, cache_dir / "models" / EMBEDDED_MODEL_NAME)
 
 
 def _as_released(tokenizer: Any) -> Any:
@@ -144,7 +145,7 @@ def tiny_model_dir(cache_dir: Path) -> Path:
     config = target / "config.json"
     if config.is_file() and json.loads(config.read_text()).get("hidden_size") != _TINY_HIDDEN_SIZE:
         shutil.rmtree(target)  # an earlier version's shape
-    return _publish(build, target)
+    return publish_directory(build, target)
 
 
 def looks_like_path(model: str) -> bool:

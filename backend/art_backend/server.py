@@ -42,6 +42,7 @@ from art_backend.engine.base import (
     SequenceDelta,
     TokenLogprob,
 )
+from art_backend.export import ExportError, ExportSpaceError
 from art_backend.grammar import GrammarError, json_grammar
 from art_backend.training.routes import training_router
 from art_backend.training.checkpoints import DamagedCheckpointError
@@ -521,6 +522,11 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
     async def on_storage(_: Request, error: StorageError) -> JSONResponse:
         return JSONResponse(error_body(str(error), "StorageError", "url", 502), status_code=502)
 
+    @app.exception_handler(ExportSpaceError)
+    async def on_full_disk(_: Request, error: ExportSpaceError) -> JSONResponse:
+        return JSONResponse(error_body(str(error), "InsufficientStorageError", "out", 507), status_code=507)
+
+    @app.exception_handler(ExportError)
     @app.exception_handler(ChatFormatError)
     @app.exception_handler(GrammarError)
     @app.exception_handler(InvalidSamplingError)

@@ -113,6 +113,7 @@ class Engine(Protocol):
     base_model_name: str  # the name /v1/models lists first and trained models record
     # further names of the base model (a hub id's repo name, a directory as typed), served as it
     base_model_aliases: tuple[str, ...]
+    model_dir: Path  # the base model's weights, tokenizer and config
     max_model_len: int
     tokenizer: Any  # a transformers tokenizer with the model's chat template
 

@@ -133,6 +133,7 @@ class TorchEngine:
             return_freed_memory_to_os()  # else the process keeps its peak after each step
         self._tune_process_memory = tune_process_memory
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model_dir = Path(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.base_model_name = served_model_name or Path(model_dir).name
         self.base_model_aliases = tuple(dict.fromkeys(a for a in aliases if a != self.base_model_name))

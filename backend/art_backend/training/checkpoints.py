@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 STEP_RECORD = "step.json"
 STEP_TRAJECTORIES = "trajectories.jsonl"  # inside a checkpoint until published
-_STAGING, _DELETING, _DAMAGED = ".step-", ".deleting-", ".damaged-"
+STEP_STAGING_PREFIX, _DELETING, _DAMAGED = ".step-", ".deleting-", ".damaged-"
 CHECKPOINT_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt")
 
 
@@ -103,7 +103,7 @@ class ModelFiles:
 
     def new_staging(self) -> Path:
         self.checkpoints.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=_STAGING, dir=self.checkpoints))
+        return Path(tempfile.mkdtemp(prefix=STEP_STAGING_PREFIX, dir=self.checkpoints))
 
     def commit(self, staging: Path, step: int, record: dict[str, Any], groups: list[TrajectoryGroup]) -> None:
         """Make the checkpoint the trainer wrote into `staging` step `step`, whole, with its
@@ -146,7 +146,7 @@ class ModelFiles:
         if not self.checkpoints.is_dir():
             return
         for leftover in sorted(self.checkpoints.iterdir()):
-            if leftover.name.startswith(_STAGING):
+            if leftover.name.startswith(STEP_STAGING_PREFIX):
                 shutil.rmtree(leftover)
                 logger.warning("%s/%s: rolled back a train step the backend stopped during (it was never "
                                "acknowledged): removed %s", self.project, self.name, leftover)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter
@@ -19,7 +20,7 @@ from art_integrations.trajectory import TrajectoryGroup
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
-def _checked_name(name: str) -> str:
+def checked_name(name: str) -> str:
     """Project, model and split names become directory and file names under the art dir (and
     served model names): so never a path, `..`, hidden, or anything a file system may refuse."""
     if not _NAME.fullmatch(name):
@@ -28,8 +29,8 @@ def _checked_name(name: str) -> str:
     return name
 
 
-Name = Annotated[str, AfterValidator(_checked_name)]
-NameInPath = Annotated[str, PathParameter(), AfterValidator(_checked_name)]
+Name = Annotated[str, AfterValidator(checked_name)]
+NameInPath = Annotated[str, PathParameter(), AfterValidator(checked_name)]
 
 
 class _Body(BaseModel):
@@ -78,6 +79,26 @@ class PullBody(_Body):
     exclude: set[sync.Part] = Field(default_factory=set, description="parts left in the store")
 
 
+def _absolute_path(path: str) -> str:
+    """The backend writes where it runs: a relative path would land in its working directory."""
+    if "\x00" in path or not Path(path).is_absolute():
+        raise ValueError(f"{path[:200]!r} is not an absolute path on the backend's machine: name the folder to "
+                         "write from the root (e.g. /srv/models/agent-step3)")
+    return path
+
+
+class ExportBody(_Body):
+    format: Literal["adapter", "merged", "gguf"] = Field(description="adapter: peft's layout (vLLM --lora-modules, "
+                                                         "peft); merged: safetensors (transformers, vLLM); gguf: "
+                                                         "llama.cpp's converter, with an Ollama Modelfile")
+    out: Annotated[str, AfterValidator(_absolute_path)] = Field(
+        max_length=4096, description="the folder to write, on the backend's machine: new, or empty")
+    step: int | None = Field(default=None, ge=0, description="the step to export; None: the newest")
+    quant: str | None = Field(default=None, max_length=32, description="gguf only: f16 (default), bf16, f32, q8_0, or "
+                              "a type llama-quantize makes (e.g. q4_k_m)")
+    modelfile: bool = Field(default=True, description="gguf only: write an Ollama Modelfile beside the GGUF")
+
+
 class DeleteCheckpointsBody(_Body):
     best_metric: str = "reward/mean"
     best_split: str = "val"
@@ -111,6 +132,10 @@ def training_router(service: TrainingService) -> APIRouter:
     @router.post("/models/{project}/{name}/delete_checkpoints")
     async def delete_checkpoints(project: NameInPath, name: NameInPath, body: DeleteCheckpointsBody) -> dict[str, Any]:
         return await service.delete_checkpoints(project, name, body.best_metric, body.best_split)
+
+    @router.post("/models/{project}/{name}/export")
+    async def export(project: NameInPath, name: NameInPath, body: ExportBody) -> dict[str, Any]:
+        return await service.export(project, name, body.step, body.format, Path(body.out), body.quant, body.modelfile)
 
     @router.post("/models/{project}/{name}/push")
     async def push(project: NameInPath, name: NameInPath, body: PushBody) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Literal
 
+from art_backend.config import default_cache_dir
 from art_backend.durable import write_atomically
 from art_backend.engine.base import Engine, is_base_model
 from art_backend.kill_points import kill_point
@@ -100,9 +101,10 @@ def step_sequences(groups: list[TrajectoryGroup], config: TrainConfig, stats: To
 
 
 class TrainingService:
-    def __init__(self, engine: Engine, art_dir: Path) -> None:
+    def __init__(self, engine: Engine, art_dir: Path, cache_dir: Path | None = None) -> None:
         self.engine = engine
         self.art_dir = Path(art_dir)
+        self.cache_dir = cache_dir or default_cache_dir()  # llama.cpp's sources and tools, for GGUF exports
         self._models: dict[str, ModelFiles] = {}
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
@@ -295,6 +297,20 @@ class TrainingService:
         record = {"step": step, "split": split, "time": time.time(), **metrics}
         await asyncio.to_thread(model.record, record, split, groups)
         return {"step": step, "metrics": metrics}
+
+    # ----- export -------------------------------------------------------------------------
+
+    async def export(self, project: str, name: str, step: int | None, format: str, out: Path, quant: str | None,
+                     modelfile: bool) -> dict[str, Any]:
+        """Write step `step` (default: the newest) as `format` to the folder `out` on this machine (see
+        `art_backend.export`). Only checking and copying the adapter wait for a train step in progress."""
+        from art_backend.export import BaseModel, build, plan
+
+        model = self.model(project, name, to_train=True)
+        base = BaseModel.of(self.engine.base_model_name, self.engine.model_dir)
+        async with self._locks[name]:
+            planned = await asyncio.to_thread(plan, model, step, format, out, base, self.cache_dir, quant, modelfile)
+        return await asyncio.to_thread(build, planned)
 
     # ----- object storage -----------------------------------------------------------------
 
