@@ -19,8 +19,12 @@ ENGINE_TESTS := tests/test_openai_api.py tests/test_engines.py tests/test_traini
 	tests/test_chat_families.py
 # Tests whose vLLM part (-m vllm) runs in .venv-vllm beside the engine contract tests
 VLLM_TESTS := $(ENGINE_TESTS) tests/test_gpu_kit.py tests/test_export.py
+# `make test-quick`: the tests that need no script, example or backend process of their own
+QUICK_TESTS := tests/test_training_units.py tests/test_tree_attention.py tests/test_chat_format.py tests/test_gather.py \
+	tests/test_client_settings.py tests/test_capture_openai_sdk.py tests/test_capture_warnings.py \
+	tests/test_hostile_input.py tests/test_art_config.py tests/test_load.py tests/test_openai_api.py tests/test_ruler.py
 
-.PHONY: setup setup-vllm setup-art browser run smoke docs test bench-serving bench-llamacpp bench-load bench-vllm-serving bench-lora-serving bench-decode-step bench-training bench-capture bench-rollouts bench-learning bench-export llama-cpp gpu-bundle clean
+.PHONY: setup setup-vllm setup-art browser run smoke docs test bench-serving bench-llamacpp bench-load bench-vllm-serving bench-lora-serving bench-decode-step bench-training bench-capture bench-rollouts bench-learning bench-export llama-cpp gpu-bundle clean test-main test-vllm test-eager test-quick
 
 # $(call new_venv,DIR,PACKAGES): a venv at DIR with the pinned CPU torch, the embedded model and PACKAGES.
 define new_venv
@@ -83,14 +87,33 @@ smoke: setup
 docs: setup
 	$(BIN)/python -m mkdocs serve
 
-# The three venvs and the browser are independent: they are set up side by side (pip spends much
-# of its time unpacking and compiling bytecode on one core), and the tests start once all are done.
+# `make test`: the venvs and the browser are set up side by side (pip spends much of its time unpacking
+# and compiling bytecode on one core), and the suite in three parts: the .venv tests start once .venv,
+# .venv-art and the browser are there (the vLLM venv may still be installing); then the vLLM engine's
+# tests and the engine contract tests on the eager path (the fused CPU kernels off) run side by side:
+# vLLM on CPU pins its model runner to one core and spends much of its time starting processes, which
+# leaves the other core to the eager run.
 test:
-	$(MAKE) --no-print-directory --jobs=4 --output-sync=line setup setup-vllm setup-art browser
+	$(MAKE) --no-print-directory --jobs=4 --output-sync=line test-vllm test-eager
+
+# the quick inner loop (docs/contributing/tests.md): client, engine and API units, no scripts or examples
+test-quick: setup
+	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -m "not vllm" -n $(TEST_WORKERS) --dist worksteal \
+		$(QUICK_TESTS)
+
+test-main: setup setup-art browser
 	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -m "not vllm" -n $(TEST_WORKERS) --dist worksteal
+
+test-vllm: setup-vllm test-main
 	@# the vLLM tests skip where vllm does not import: here it must, or the run would pass having tested nothing
 	$(VLLM_BIN)/python -c "import vllm"
 	$(VLLM_BIN)/python -m pytest -m vllm $(VLLM_TESTS)
+
+# the engine contract tests once more with ART_BACKEND_CPU_KERNELS=false: the path every machine the
+# kernels cannot be built on takes, at the same tolerances
+test-eager: setup test-main
+	ART_BACKEND_CPU_KERNELS=false OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not vllm" -p no:cacheprovider \
+		$(ENGINE_TESTS)
 
 # ARGS="--dtype float32,bfloat16" adds the bf16 rows (each against transformers in bf16)
 bench-serving: setup

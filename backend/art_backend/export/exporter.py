@@ -26,14 +26,13 @@ from typing import Any, Literal, get_args
 
 from art_backend.durable import fsync_directory, fsync_tree
 from art_backend.export import llama_cpp, ollama
-from art_backend.model_store import EMBEDDED_MODEL_NAME, looks_like_path
+from art_backend.model_store import EMBEDDED_HUB_ID, EMBEDDED_MODEL_NAME, looks_like_path
 from art_backend.training.checkpoints import STEP_STAGING_PREFIX, ModelFiles, checkpoint_problem
 
 logger = logging.getLogger(__name__)
 
 Format = Literal["adapter", "merged", "gguf"]
 FORMATS: tuple[str, ...] = get_args(Format)
-EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded model's release, which its GGUF quantizes
 DEFAULT_GGUF_QUANT = "f16"
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 _FULL_DISK = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
