@@ -21,10 +21,12 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
-import llguidance.torch
+# llguidance.numpy, not llguidance.torch: the torch module decorates a kernel we do not use with
+# torch.compile, whose import (torch._dynamo, sympy, networkx) was ~40% of a backend's start
+import llguidance.numpy
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -47,8 +49,10 @@ from art_backend.engine.sampling import Penalties, RowSampling, sample
 from art_backend.grammar import Constrainer, GrammarError
 from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.tokenize import TrainSequence
-from art_backend.training.trainer import LoraTrainer
 from art_integrations.training import LoraConfig, TrainConfig
+
+if TYPE_CHECKING:  # imported at the first step: peft (and accelerate) cost a serve-only process ~1 s
+    from art_backend.training.trainer import LoraTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +257,8 @@ class TorchEngine:
         def step() -> dict[str, float]:
             waited = time.perf_counter() - asked
             if self._trainer is None:
+                from art_backend.training.trainer import LoraTrainer
+
                 self._trainer = LoraTrainer(self.model, step_memory=self._step_memory)
             return {**self._trainer.step(model_name, sequences, config, lora, resume_from, save_to),
                     "wait_seconds": waited}
@@ -639,10 +645,11 @@ class TorchEngine:
         constrained = [(row, s.matcher) for row, s in enumerate(seqs) if s.matcher is not None]
         if not constrained:
             return None
-        bitmask = llguidance.torch.allocate_token_bitmask(len(seqs), self.constrainer.tokenizer.vocab_size)
+        words = llguidance.numpy.allocate_token_bitmask(len(seqs), self.constrainer.tokenizer.vocab_size)
+        bitmask = torch.from_numpy(words)  # the same memory
         for row, matcher in constrained:
             if not matcher.is_stopped():
-                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
+                llguidance.numpy.fill_next_token_bitmask(matcher, words, row)
             if matcher.is_stopped() or matcher.is_error():  # complete (or failed, see _accept): end the turn
                 bitmask[row] = 0
                 bitmask[row, self.tokenizer.eos_token_id // 32] = 1 << (self.tokenizer.eos_token_id % 32)
