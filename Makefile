@@ -176,3 +176,26 @@ gpu-bundle:
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(ART_VENV) $(GPU_BUNDLE_VENV) .site
+
+# The capture under today's newest client stack (docs/integrations/openai-compatible.md): a light venv
+# with the client package only (no torch) and the newest openai (3.x, which sends through httpx2),
+# httpx2, aiohttp, requests and smolagents, whose tests (tests/clients/) run against one
+# `art-backend serve` on the tiny model, started from .venv (CLIENTS_BACKEND_PYTHON).
+CLIENTS_VENV ?= .venv-clients
+CLIENTS_BIN := $(CLIENTS_VENV)/bin
+CLIENTS_BACKEND_PYTHON ?= $(abspath $(BIN)/python)
+
+$(CLIENTS_BIN)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_BIN)/python -m pip install --quiet --upgrade pip
+	$(CLIENTS_BIN)/python -m pip install --quiet -e . "openai>=3" httpx2 aiohttp requests pytest pytest-asyncio
+	@# smolagents is tried on its own: the capture's tests skip its test where it does not install
+	$(CLIENTS_BIN)/python -m pip install --quiet smolagents || echo "smolagents did not install: its test is skipped"
+	touch $@
+
+setup-clients: $(CLIENTS_BIN)/.installed
+
+test-clients: setup setup-clients
+	ART_CLIENTS_BACKEND_PYTHON=$(CLIENTS_BACKEND_PYTHON) OMP_NUM_THREADS=$(TEST_THREADS) \
+		$(CLIENTS_BIN)/python -m pytest -p no:cacheprovider -c tests/clients/pytest.ini tests/clients
+.PHONY: setup-clients test-clients

@@ -57,7 +57,7 @@ class ModelCall:
     started: float = field(default_factory=time.monotonic)
     api_key: str | None = None
     choice: Choice | None = None  # set directly when the integration saw the tokens itself
-    via_transport: bool = False  # seen where the openai SDK sent it (openai_capture.py)
+    via_transport: bool = False  # seen where an HTTP client sent it (transports/)
 
 
 LATE_CALL = ("a model call finished after its art_capture() had exited (a task started inside the capture and "
@@ -202,9 +202,9 @@ def _watch_frameworks() -> None:
 
 
 def _install_transport() -> None:
-    """Capture the openai SDK's requests at its transport from the first capture on (see
-    openai_capture.py; imported here, since it records into this module's scopes)."""
-    from art_integrations.openai_capture import install
+    """Capture every loaded HTTP client's generation requests at its transport (see
+    transports/; imported here, since it records into this module's scopes)."""
+    from art_integrations.transports import install
 
     install()
 
