@@ -284,3 +284,7 @@ def run_example(module: str, *args: str, timeout: float = 900) -> str:
                             timeout=timeout, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
+
+
+# tests/clients/ runs in the newest-clients venv (`make test-clients`), against a backend process of its own
+collect_ignore = ["clients"]

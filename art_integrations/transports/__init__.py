@@ -22,7 +22,11 @@ what to do (`capture.NO_CALLS`).
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import sys
+from collections.abc import Sequence
+from types import ModuleType
 
 from art_integrations.transports.core import BACKEND_HEADER, RECORDED_BY_HEADER, TOKEN_LOGPROBS_HEADER
 
@@ -35,13 +39,54 @@ ADAPTERS = {
 }
 
 
+
+
+def _wrap(name: str, client: ModuleType) -> None:
+    importlib.import_module(ADAPTERS[name]).install(client)
+
+
+class WrapOnImport(importlib.abc.MetaPathFinder):
+    """Wraps a supported client the moment it is imported, when that is after the first capture (an
+    agent that imports aiohttp inside its rollout): its calls in that very capture are recorded.
+    Looks only at the top-level names in ADAPTERS, and costs nothing but at their import."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in ADAPTERS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        exec_module = getattr(loader, "exec_module", None)
+        if exec_module is None:
+            return spec
+
+        def exec_then_wrap(module: ModuleType) -> None:
+            exec_module(module)
+            _wrap(fullname, module)
+
+        loader.exec_module = exec_then_wrap  # type: ignore[union-attr]  # this spec's loader only
+        return spec
+
+
+_hook = WrapOnImport()
+
+
 def install() -> None:
-    """Wrap the sends of every supported HTTP client the process has loaded (a client loaded later
-    is wrapped by the next capture). Cheap when done: each wrap is idempotent."""
-    for name, adapter in ADAPTERS.items():
+    """Wrap the sends of every supported HTTP client the process has loaded, and have the others
+    wrapped as they are imported. Cheap when done: each wrap is idempotent."""
+    for name in ADAPTERS:
         client = sys.modules.get(name)
         if client is not None:
-            importlib.import_module(adapter).install(client)
+            _wrap(name, client)
+    if _hook not in sys.meta_path:
+        sys.meta_path.insert(0, _hook)
 
 
 __all__ = ["ADAPTERS", "BACKEND_HEADER", "RECORDED_BY_HEADER", "TOKEN_LOGPROBS_HEADER", "install"]
