@@ -91,7 +91,8 @@ class Unmarked:
 
         async def unmarked(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start" and not self.mark:
-                message = {**message, "headers": [(k, v) for k, v in message["headers"] if k.lower() != b"x-art-backend"]}
+                message = {**message, "headers": [(k, v) for k, v in message["headers"]
+                                                  if k.lower() != b"x-art-backend"]}
             await send(message)
 
         await self.app(scope, receive, unmarked)
@@ -226,4 +227,4 @@ def test_outside_a_capture_each_send_is_the_clients_own(tiny_server: ServerThrea
                        stream=True, timeout=60) as response:
         assert type(response.raw).__name__ == "HTTPResponse"  # not teed
         assert TOKEN_LOGPROBS_HEADER not in response.request.headers
-        response.content
+        assert response.content

@@ -28,7 +28,11 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from art_integrations.transports.core import BACKEND_HEADER, RECORDED_BY_HEADER, TOKEN_LOGPROBS_HEADER
+from art_integrations.transports.core import (
+    BACKEND_HEADER,
+    RECORDED_BY_HEADER,
+    TOKEN_LOGPROBS_HEADER,
+)
 
 # client module -> the adapter module that wraps it (`install(client_module)`)
 ADAPTERS = {

@@ -24,7 +24,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from art_integrations.capture import CaptureScope
-from art_integrations.transports.replies import CHAT, COMPLETIONS, RESPONSES, calls_from_reply
+from art_integrations.transports.replies import (
+    CHAT,
+    COMPLETIONS,
+    RESPONSES,
+    calls_from_reply,
+)
 
 logger = logging.getLogger(__name__)
 

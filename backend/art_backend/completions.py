@@ -172,7 +172,9 @@ def _legacy_logprobs(service: ChatService, entries: list[TokenLogprob], offset: 
 def _tokens(prepared: PreparedCompletion, ids: list[int], entries: list[TokenLogprob],
             record_id: str | None) -> dict[str, Any]:
     """A choice's (or chunk's) token fields, as `return_token_ids` and the capture's header ask."""
-    from art_backend.server import reportable_logprobs  # here: server.py imports this module
+    from art_backend.server import (
+        reportable_logprobs,  # here: server.py imports this module
+    )
 
     if not prepared.body.return_token_ids:
         return {}
@@ -189,7 +191,8 @@ def _finished(service: ChatService, prepared: PreparedCompletion, sample: _Sampl
     if not prepared.body.return_token_ids:
         return None
     record_id = f"{prepared.response_id}-{sample.index}"
-    service.records.add(record_id, prepared.body.model, prepared.generation.prompt_ids, sample)  # type: ignore[arg-type]
+    service.records.add(record_id, prepared.body.model, prepared.generation.prompt_ids,
+                        sample)  # type: ignore[arg-type]  # a _Sample has what the records read of a choice
     return record_id
 
 

@@ -1,0 +1,112 @@
+"""The capture under today's newest client stack, as a user who installs the client package beside the
+newest openai SDK (3.x, which sends through httpx2) gets it, against `art-backend serve` on the tiny
+model: the SDK's calls (chat, streamed chat, Responses, text completions), a hand-written request of
+each HTTP client (httpx, httpx2, requests, aiohttp; sync, async; whole, streamed), and a smolagents
+agent pointed at the backend are recorded with the exact tokens the backend produced; calls to
+another server are not, and leave as they were written."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from http_calls import CLIENTS, Received, installed, send
+
+from art_integrations import Trajectory, art_capture
+from art_integrations.transports import TOKEN_LOGPROBS_HEADER
+
+MODEL = "tiny-random-smollm2"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def test_this_venv_has_the_newest_sdk() -> None:
+    """What these tests are for: the SDK major that sends through httpx2, not httpx."""
+    assert int(openai.__version__.split(".")[0]) >= 3, openai.__version__
+    import openai._base_client as base
+
+    assert hasattr(base, "httpx2")
+
+
+def kept(backend_url: str, ids: list[str]) -> dict[str, Any]:
+    with httpx.Client() as client:
+        return client.post(f"{backend_url}/v1/art/token_records", json={"ids": ids}).json()["records"]
+
+
+def exact(trajectory: Trajectory, backend_url: str, record_ids: list[str]) -> list[Any]:
+    """The recorded turns, each checked against what the backend kept under its record id."""
+    assert not trajectory.logs, trajectory.logs
+    turns = [choice for history in trajectory.histories() for choice in history.choices()]
+    records = kept(backend_url, record_ids)
+    assert len(turns) == len(record_ids)
+    for turn, record_id in zip(turns, record_ids):
+        assert (turn.prompt_token_ids, turn.token_ids) == (records[record_id]["prompt_token_ids"],
+                                                           records[record_id]["token_ids"])
+        assert turn.token_logprobs == pytest.approx(records[record_id]["logprobs"])
+    return turns
+
+
+async def test_the_sdks_calls_are_recorded_with_their_exact_tokens(backend_url: str) -> None:
+    sync = openai.OpenAI(base_url=f"{backend_url}/v1", api_key="unused")
+    aio = openai.AsyncOpenAI(base_url=f"{backend_url}/v1", api_key="unused")
+    async with art_capture() as trajectory:
+        whole = sync.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=4)
+        stream = await aio.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "yo"}],
+                                                   max_tokens=4, stream=True)
+        chunks = [chunk async for chunk in stream]
+        response = await aio.responses.create(model=MODEL, input="hello", max_output_tokens=4)
+        text = sync.completions.create(model=MODEL, prompt="Once", max_tokens=4)
+    ids = [whole.choices[0].message.id, chunks[-1].choices[0].delta.id, response.model_extra["token_record_id"],
+           text.choices[0].model_extra["token_record_id"]]
+    turns = exact(trajectory, backend_url, ids)
+    assert turns[0].token_ids == whole.choices[0].model_extra["token_ids"]
+    assert turns[3].token_ids == text.choices[0].model_extra["token_ids"]
+    assert trajectory.metrics["model_calls"] == 4
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_each_clients_call_is_recorded(client: str, stream: bool, backend_url: str) -> None:
+    assert installed(client), f"{client} belongs in this venv (make setup-clients)"
+    async with art_capture() as trajectory:
+        received: Received = await send(client, f"{backend_url}/v1/chat/completions", CHAT, stream=stream)
+    turns = exact(trajectory, backend_url, [received.record_id])  # type: ignore[list-item]
+    assert turns[0].token_ids == received.token_ids
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_each_clients_call_to_another_server_passes_through(client: str, stream: bool,
+                                                                  other_server: Any) -> None:
+    before = len(other_server.seen)
+    async with art_capture() as trajectory:
+        received = await send(client, f"{other_server.url}/v1/chat/completions", CHAT, stream=stream)
+    assert received.text == "fine" and trajectory.metrics["model_calls"] == 0
+    assert [TOKEN_LOGPROBS_HEADER in headers for headers in other_server.seen[before:]] == [False]
+
+
+async def test_the_sdk_to_another_server_is_not_recorded(other_server: Any) -> None:
+    judge = openai.AsyncOpenAI(base_url=f"{other_server.url}/v1", api_key="unused")
+    async with art_capture() as trajectory:
+        reply = await judge.chat.completions.create(**CHAT)
+    assert reply.choices[0].message.content == "fine" and trajectory.metrics["model_calls"] == 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("smolagents") is None, reason="smolagents did not install here")
+async def test_a_smolagents_agent_pointed_at_the_backend_is_recorded(backend_url: str) -> None:
+    """smolagents' ToolCallingAgent on OpenAIServerModel, as its docs point it at a vLLM server: every
+    model call of the run is recorded with its exact tokens (the tiny model's tool calls are noise, so
+    the run ends at its step limit with smolagents' own final-answer call)."""
+    import asyncio
+
+    from smolagents import OpenAIServerModel, ToolCallingAgent
+
+    model = OpenAIServerModel(model_id=MODEL, api_base=f"{backend_url}/v1", api_key="unused", max_tokens=8)
+    agent = ToolCallingAgent(tools=[], model=model, max_steps=1, verbosity_level=0)
+    async with art_capture() as trajectory:
+        await asyncio.to_thread(agent.run, "What is 2 + 2?")
+    turns = [choice for history in trajectory.histories() for choice in history.choices()]
+    assert turns and trajectory.metrics["model_calls"] == len(turns)
+    assert all(t.token_ids and t.prompt_token_ids and len(t.token_logprobs or []) == len(t.token_ids) for t in turns)
