@@ -179,7 +179,7 @@ clean:
 
 # The capture under today's newest client stack (docs/integrations/openai-compatible.md): a light venv
 # with the client package only (no torch) and the newest openai (3.x, which sends through httpx2),
-# httpx2, aiohttp, requests and smolagents, whose tests (tests/clients/) run against one
+# httpx2, aiohttp, requests, smolagents and LiteLLM, whose tests (tests/clients/) run against one
 # `art-backend serve` on the tiny model, started from .venv (CLIENTS_BACKEND_PYTHON).
 CLIENTS_VENV ?= .venv-clients
 CLIENTS_BIN := $(CLIENTS_VENV)/bin
@@ -189,8 +189,10 @@ $(CLIENTS_BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(CLIENTS_VENV)
 	$(CLIENTS_BIN)/python -m pip install --quiet --upgrade pip
 	$(CLIENTS_BIN)/python -m pip install --quiet -e . "openai>=3" httpx2 aiohttp requests pytest pytest-asyncio
-	@# smolagents is tried on its own: the capture's tests skip its test where it does not install
+	@# smolagents and LiteLLM (CrewAI's and DSPy's way to a model) are tried one by one: the capture's tests
+	@# skip the test of one that does not install beside the newest openai
 	$(CLIENTS_BIN)/python -m pip install --quiet smolagents || echo "smolagents did not install: its test is skipped"
+	$(CLIENTS_BIN)/python -m pip install --quiet litellm || echo "litellm did not install: its test is skipped"
 	touch $@
 
 setup-clients: $(CLIENTS_BIN)/.installed

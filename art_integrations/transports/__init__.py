@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import logging
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -33,6 +34,8 @@ from art_integrations.transports.core import (
     RECORDED_BY_HEADER,
     TOKEN_LOGPROBS_HEADER,
 )
+
+logger = logging.getLogger(__name__)
 
 # client module -> the adapter module that wraps it (`install(client_module)`)
 ADAPTERS = {
@@ -73,7 +76,11 @@ class WrapOnImport(importlib.abc.MetaPathFinder):
 
         def exec_then_wrap(module: ModuleType) -> None:
             exec_module(module)
-            _wrap(fullname, module)
+            try:
+                _wrap(fullname, module)
+            except Exception:  # the agent's import must not fail for the capture: said, and left unwrapped
+                logger.warning("art_capture cannot wrap %s (imported inside a capture): its calls are not "
+                               "recorded", fullname, exc_info=True)
 
         loader.exec_module = exec_then_wrap  # type: ignore[union-attr]  # this spec's loader only
         return spec

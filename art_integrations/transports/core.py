@@ -17,7 +17,6 @@ with the handlers' calls (`capture.fetch_tokens`); every later call reads them f
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,6 @@ from art_integrations.transports.replies import (
     calls_from_reply,
 )
 
-logger = logging.getLogger(__name__)
 
 BACKEND_HEADER = "x-art-backend"  # on every generated answer of an art-backend
 TOKEN_LOGPROBS_HEADER = "x-art-token-logprobs"  # asks a backend for each token's logprob beside its id
@@ -87,7 +85,7 @@ class Exchange:
         try:
             calls = calls_from_reply(self.kind, self.sent(), body, EVENT_STREAM in content_type,
                                      self.endpoint, self.api_key)
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
+        except Exception as error:  # the agent has its reply: a failure here is the trajectory's, said there
             self.scope.error(f"a reply from {self.url} could not be read for the trajectory: {error!r}")
             return
         if calls is None:

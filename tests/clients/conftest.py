@@ -46,7 +46,7 @@ def backend_url() -> Iterator[str]:
                                    stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 300  # generous: a loaded machine imports torch slowly
             while True:  # polled: the backend is up when /health answers
                 if process.poll() is not None:
                     pytest.fail(f"the backend exited ({process.returncode}): "

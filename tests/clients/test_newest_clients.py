@@ -110,3 +110,24 @@ async def test_a_smolagents_agent_pointed_at_the_backend_is_recorded(backend_url
     turns = [choice for history in trajectory.histories() for choice in history.choices()]
     assert turns and trajectory.metrics["model_calls"] == len(turns)
     assert all(t.token_ids and t.prompt_token_ids and len(t.token_logprobs or []) == len(t.token_ids) for t in turns)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("litellm") is None, reason="litellm did not install here")
+@pytest.mark.parametrize("provider", ["hosted_vllm", "openai"])
+async def test_litellm_pointed_at_the_backend_is_recorded(provider: str, backend_url: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """LiteLLM (what CrewAI and DSPy call models through), its vLLM and OpenAI providers, sync and async,
+    streamed: each call recorded with the backend's exact tokens."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of its price list at import
+    import litellm
+
+    request = {"model": f"{provider}/{MODEL}", "api_base": f"{backend_url}/v1", "api_key": "unused",
+               "messages": CHAT["messages"], "max_tokens": 4}
+    async with art_capture() as trajectory:
+        whole = await litellm.acompletion(**request)
+        litellm.completion(**request)
+        chunks = [chunk async for chunk in await litellm.acompletion(**request, stream=True)]
+    assert whole.choices[0].message.content is not None and chunks
+    turns = [choice for history in trajectory.histories() for choice in history.choices()]
+    assert trajectory.metrics["model_calls"] == len(turns) == 3, trajectory.logs
+    assert all(t.token_ids and t.prompt_token_ids and len(t.token_logprobs or []) == len(t.token_ids) for t in turns)
