@@ -46,8 +46,6 @@ ADAPTERS = {
 }
 
 
-
-
 def _wrap(name: str, client: ModuleType) -> None:
     importlib.import_module(ADAPTERS[name]).install(client)
 
@@ -57,18 +55,25 @@ class WrapOnImport(importlib.abc.MetaPathFinder):
     agent that imports aiohttp inside its rollout): its calls in that very capture are recorded.
     Looks only at the top-level names in ADAPTERS, and costs nothing but at their import."""
 
+    def __init__(self) -> None:
+        self.finding: set[str] = set()
+
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in ADAPTERS:
+        if fullname not in ADAPTERS or fullname in self.finding:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
+        self.finding.add(fullname)  # another hook that asks the meta path in turn gets None from us
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self.finding.discard(fullname)
         loader = spec.loader
         exec_module = getattr(loader, "exec_module", None)
         if exec_module is None:

@@ -23,13 +23,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from art_integrations.capture import CaptureScope
-from art_integrations.transports.replies import (
-    CHAT,
-    COMPLETIONS,
-    RESPONSES,
-    calls_from_reply,
-)
-
+from art_integrations.transports.replies import CHAT, COMPLETIONS, RESPONSES, calls_from_reply
 
 BACKEND_HEADER = "x-art-backend"  # on every generated answer of an art-backend
 TOKEN_LOGPROBS_HEADER = "x-art-token-logprobs"  # asks a backend for each token's logprob beside its id
