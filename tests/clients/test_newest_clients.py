@@ -131,3 +131,19 @@ async def test_litellm_pointed_at_the_backend_is_recorded(provider: str, backend
     turns = [choice for history in trajectory.histories() for choice in history.choices()]
     assert trajectory.metrics["model_calls"] == len(turns) == 3, trajectory.logs
     assert all(t.token_ids and t.prompt_token_ids and len(t.token_logprobs or []) == len(t.token_ids) for t in turns)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("langchain_openai") is None,
+                    reason="langchain-openai did not install here")
+async def test_a_chat_openai_only_re_pointed_is_recorded(backend_url: str) -> None:
+    """langchain-openai's ChatOpenAI with its base URL at the backend and nothing else changed (no
+    ChatART, no handler, no extra_body): recorded with the exact tokens, streamed or not."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{backend_url}/v1", api_key="unused", max_tokens=4)
+    async with art_capture() as trajectory:
+        await llm.ainvoke("hi")
+        [chunk async for chunk in llm.astream("yo")]
+    turns = [choice for history in trajectory.histories() for choice in history.choices()]
+    assert not trajectory.logs and trajectory.metrics["model_calls"] == len(turns) == 2
+    assert all(t.token_ids and t.prompt_token_ids and len(t.token_logprobs or []) == len(t.token_ids) for t in turns)
