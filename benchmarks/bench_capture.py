@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import functools
 import importlib.util
 import json
@@ -191,6 +192,7 @@ def transport_blocks(base_url: str, model: str, loop: asyncio.AbstractEventLoop)
         return aiohttp.ClientSession()
 
     aio = loop.run_until_complete(open_session())
+    atexit.register(lambda: loop.is_closed() or loop.run_until_complete(aio.close()))  # the bench's loop lives on
 
     async def aiohttp_post() -> None:
         async with aio.post(url, json=body) as response:
