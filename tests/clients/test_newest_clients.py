@@ -147,3 +147,54 @@ async def test_a_chat_openai_only_re_pointed_is_recorded(backend_url: str) -> No
     turns = [choice for history in trajectory.histories() for choice in history.choices()]
     assert not trajectory.logs and trajectory.metrics["model_calls"] == len(turns) == 2
     assert all(t.token_ids and t.prompt_token_ids and len(t.token_logprobs or []) == len(t.token_ids) for t in turns)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("agents") is None, reason="openai-agents did not install here")
+async def test_an_agents_sdk_agent_is_captured_grouped_and_trained(backend_url: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OpenAI Agents SDK on openai 3.x (its Responses API through httpx2), only its base URL pointed
+    at the backend: a handoff's rollouts captured with exact tokens (the handoff, then the researcher's
+    tool call in a history of its own), grouped, and trained one step on the served backend."""
+    import agents
+    from agents import ModelSettings, Runner, function_tool, set_tracing_disabled
+
+    from art_integrations import RemoteBackend, TrainableModel, TrajectoryGroup
+    from art_integrations.gather import gather_trajectory_groups
+    from art_integrations.training import TrainConfig
+
+    backend = RemoteBackend(backend_url)
+    model = TrainableModel(name="agents-sdk-3", project="clients")
+    await model.register(backend)
+    monkeypatch.setenv("OPENAI_BASE_URL", f"{backend_url}/v1")  # the one setting that points it here
+    monkeypatch.setenv("OPENAI_API_KEY", "unused")
+    set_tracing_disabled(True)  # its traces would go to OpenAI's own servers
+
+    @function_tool
+    def current_time() -> str:
+        """The time now."""
+        return "12:00"
+
+    # the researcher's run ends with its tool's answer: a free-text reply of the random model would run
+    # to its token limit, which this SDK version raises as an incomplete response
+    researcher = agents.Agent(name="researcher", instructions="Answer with the time.", model=model.inference_name,
+                              tools=[current_time], tool_use_behavior="stop_on_first_tool",
+                              model_settings=ModelSettings(tool_choice="current_time", max_tokens=40))
+    triage = agents.Agent(name="triage", instructions="Hand the question to the researcher.",
+                          model=model.inference_name, handoffs=[researcher],
+                          model_settings=ModelSettings(tool_choice="transfer_to_researcher", max_tokens=40))
+
+    async def rollout(reward: float) -> Trajectory:
+        async with art_capture() as trajectory:
+            result = await Runner.run(triage, "What time is it?", max_turns=4)
+        assert result.last_agent is researcher and result.final_output == "12:00"
+        trajectory.reward = reward
+        return trajectory
+
+    (group,) = await gather_trajectory_groups([TrajectoryGroup(rollout(r) for r in (0.0, 1.0))], progress=False)
+    for trajectory in group.trajectories:
+        assert not trajectory.logs, trajectory.logs
+        assert [len(h.choices()) for h in trajectory.histories()] == [1, 1]  # triage's handoff; the researcher's call
+        assert all(c.token_ids and c.prompt_token_ids and c.token_logprobs
+                   for h in trajectory.histories() for c in h.choices())
+    result = await model.train([group], TrainConfig(learning_rate=1e-3))
+    assert result.step == 1 and result.metrics["groups/trained"] == 1
