@@ -190,8 +190,8 @@ $(CLIENTS_BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(CLIENTS_VENV)
 	$(CLIENTS_BIN)/python -m pip install --quiet --upgrade pip
 	$(CLIENTS_BIN)/python -m pip install --quiet -e . "openai>=3" httpx2 aiohttp requests pytest pytest-asyncio
-	@# smolagents, LiteLLM (CrewAI's and DSPy's way to a model), langchain-openai and openai-agents are tried one by one, each
-	@# held to openai 3.x: the capture's tests skip the test of one that does not install beside it
+	@# smolagents, LiteLLM (CrewAI's and DSPy's way to a model), langchain-openai and openai-agents are tried
+	@# one by one, each held to openai 3.x: the capture's tests skip the test of one that does not install beside it
 	for package in smolagents litellm langchain-openai openai-agents; do \
 		$(CLIENTS_BIN)/python -m pip install --quiet $$package "openai>=3" || \
 			echo "$$package did not install beside openai 3.x: its test is skipped"; \
