@@ -102,6 +102,8 @@ def _request(original: Callable[..., Any], multidict: Any) -> Callable[..., Any]
         scope = current_capture()
         if scope is None:  # outside a capture: this read is all it costs
             return await original(self, method, str_or_url, **kwargs)
+        if method.upper() != "POST":  # before merging headers: most requests end here
+            return await original(self, method, str_or_url, **kwargs)
         with handling() as new:
             headers = multidict.CIMultiDict(self.headers)
             headers.update(multidict.CIMultiDict(kwargs.get("headers") or {}))

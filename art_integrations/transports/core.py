@@ -99,7 +99,7 @@ def begin(scope: CaptureScope, method: str, url: str, authorization: str | None,
           sent: Callable[[], Any]) -> Exchange | None:
     """The exchange a request starts, or None when it is not a generation request to record (not a
     generation path, or ChatART's own request, which it records itself)."""
-    if recorded_by:
+    if recorded_by or method.upper() != "POST":  # before parsing the URL: most requests end here
         return None
     parts = urlsplit(url)
     kind = generation_kind(method, parts.path)

@@ -28,6 +28,8 @@ from art_integrations.transports.patching import handling, wrap_method
 
 
 def _begin(scope: CaptureScope, request: Any) -> Exchange | None:
+    if request.method != "POST":  # before building the URL's text
+        return None
     headers = request.headers
     return begin(scope, request.method, str(request.url), headers.get("authorization"),
                  RECORDED_BY_HEADER in headers, lambda: json_body(request.content)())
