@@ -176,3 +176,31 @@ gpu-bundle:
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(ART_VENV) $(GPU_BUNDLE_VENV) .site
+
+# The capture under today's newest client stack (docs/integrations/openai-compatible.md): a light venv
+# with the client package only (no torch) and the newest openai (3.x, which sends through httpx2),
+# httpx2, aiohttp, requests, smolagents, LiteLLM, langchain-openai and the Agents SDK, whose tests (tests/clients/)
+# run against one `art-backend serve` on the tiny model, started from .venv (CLIENTS_BACKEND_PYTHON).
+# `make test` can run it beside its other parts: it needs .venv (the backend) and its own venv.
+CLIENTS_VENV ?= .venv-clients
+CLIENTS_BIN := $(CLIENTS_VENV)/bin
+CLIENTS_BACKEND_PYTHON ?= $(abspath $(BIN)/python)
+
+$(CLIENTS_BIN)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_BIN)/python -m pip install --quiet --upgrade pip
+	$(CLIENTS_BIN)/python -m pip install --quiet -e . "openai>=3" httpx2 aiohttp requests pytest pytest-asyncio
+	@# smolagents, LiteLLM (CrewAI's and DSPy's way to a model), langchain-openai and openai-agents are tried
+	@# one by one, each held to openai 3.x: the capture's tests skip the test of one that does not install beside it
+	for package in smolagents litellm langchain-openai openai-agents; do \
+		$(CLIENTS_BIN)/python -m pip install --quiet $$package "openai>=3" || \
+			echo "$$package did not install beside openai 3.x: its test is skipped"; \
+	done
+	touch $@
+
+setup-clients: $(CLIENTS_BIN)/.installed
+
+test-clients: setup setup-clients
+	ART_CLIENTS_BACKEND_PYTHON=$(CLIENTS_BACKEND_PYTHON) OMP_NUM_THREADS=$(TEST_THREADS) \
+		$(CLIENTS_BIN)/python -m pytest -p no:cacheprovider -c tests/clients/pytest.ini tests/clients
+.PHONY: setup-clients test-clients

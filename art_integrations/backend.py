@@ -23,6 +23,7 @@ from openai import AsyncOpenAI
 
 from art_integrations.art_config import settings_environment, settings_variables, train_config_with
 from art_integrations.checkpoint_sync import CheckpointSync
+from art_integrations.transports.core import known_backend
 
 if TYPE_CHECKING:
     from art_integrations.model import TrainableModel, TrainResult
@@ -58,6 +59,7 @@ class Backend(CheckpointSync):
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = None) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.api_key = api_key
+        known_backend(self.base_url)  # its replies' logprobs are asked for from the first call on
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # a training step can take minutes on CPU: no read timeout unless asked
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers,

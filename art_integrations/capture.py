@@ -57,20 +57,22 @@ class ModelCall:
     started: float = field(default_factory=time.monotonic)
     api_key: str | None = None
     choice: Choice | None = None  # set directly when the integration saw the tokens itself
-    via_transport: bool = False  # seen where the openai SDK sent it (openai_capture.py)
+    via_transport: bool = False  # seen where an HTTP client sent it (transports/)
 
 
 LATE_CALL = ("a model call finished after its art_capture() had exited (a task started inside the capture and "
              "awaited outside it?), so it is not in the trajectory: await every task the rollout starts before "
              "leaving the `with art_capture()` block")
 NO_CALLS = ("art_capture() recorded no model call, so the trajectory is empty. Likely causes: the model was not "
-            "called at an art-backend through the openai SDK (any agent that uses it, of any framework, is recorded "
-            "with its base URL pointed at the backend's /v1; a client that does not use it needs an integration: "
-            "ChatART, ARTLLM, config={'callbacks': [ARTCallbackHandler()]} for your own ChatOpenAI, or "
-            "art_integrations.llamaindex.instrument() for your own LlamaIndex LLM); they ran inside no_capture(); "
-            "the calls ran in a task still running when the capture exited (await it inside the capture); or they "
-            "ran in a thread that does not carry the capture's context (use asyncio.to_thread, not "
-            "run_in_executor or a bare Thread)")
+            "called at an art-backend through an HTTP client the capture sees (httpx, httpx2, requests, aiohttp: "
+            "the openai SDK and any framework or hand-written agent on them is recorded with its base URL pointed "
+            "at the backend's /v1, as a POST to chat/completions, responses or completions); a client it cannot "
+            "see (a websocket, gRPC, another HTTP library, another path) needs an integration: ChatART, ARTLLM, "
+            "config={'callbacks': [ARTCallbackHandler()]} for your own ChatOpenAI, "
+            "art_integrations.llamaindex.instrument() for your own LlamaIndex LLM, or trajectory.add_response() "
+            "with the backend's reply; they ran inside no_capture(); the calls ran in a task still running when "
+            "the capture exited (await it inside the capture); or they ran in a thread that does not carry the "
+            "capture's context (use asyncio.to_thread, not run_in_executor or a bare Thread)")
 
 
 class CaptureScope:
@@ -202,9 +204,9 @@ def _watch_frameworks() -> None:
 
 
 def _install_transport() -> None:
-    """Capture the openai SDK's requests at its transport from the first capture on (see
-    openai_capture.py; imported here, since it records into this module's scopes)."""
-    from art_integrations.openai_capture import install
+    """Capture every loaded HTTP client's generation requests at its transport (see
+    transports/; imported here, since it records into this module's scopes)."""
+    from art_integrations.transports import install
 
     install()
 

@@ -13,6 +13,9 @@ it never shares the GIL with the client being timed) answers every variant; each
   H  the plain `openai` SDK (`client.chat.completions.create`), captured at its transport, one
      `with art_capture():` per call, against the same SDK call uncaptured (H0)
   I  H with 10 calls per capture, against 10 x H0
+  J, K, L  a hand-written chat-completions POST through requests, httpx2 (the openai SDK 3.x's client;
+     where installed) and aiohttp, captured at that client's transport, one `with art_capture():` per
+     call, against the same call uncaptured (J0, K0, L0)
 After a warm-up, each round runs A, B, C, E interleaved call by call (order rotated), and each
 call's overhead is paired with the plain call (A) made right beside it, so the drift of a shared,
 noisy machine cancels out; D and G run as blocks beside their baseline block (10 x A; G0). A
@@ -38,6 +41,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
+import functools
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -58,7 +64,7 @@ from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.outputs import ChatGeneration, LLMResult
 from langchain_openai import ChatOpenAI
 
-from art_integrations import LocalBackend, Trajectory, gather_trajectories, openai_capture
+from art_integrations import LocalBackend, Trajectory, gather_trajectories
 from art_integrations.capture import art_capture, assemble
 from art_integrations.langchain.callback import ARTCallbackHandler
 from art_integrations.langchain.chat_model import ChatART
@@ -69,7 +75,7 @@ WARMUP = 5
 PER_SCOPE_D = 10
 GROUP_G = 10
 # variants with a baseline of their own; the others are against A
-BASELINES = {"F": "F0", "G": "G0", "H": "H0", "I": "H0"}
+BASELINES = {"F": "F0", "G": "G0", "H": "H0", "I": "H0", "J": "J0", "K": "K0", "L": "L0"}
 MICRO_ITERATIONS = 2000
 ART_SCRIPT = Path(__file__).with_name("art_langgraph_calls.py")
 Variant = Callable[[int], list[float]]  # runs n calls, returns per-call seconds
@@ -161,7 +167,43 @@ def build_variants(base_url: str, model: str) -> tuple[dict[str, Callable[[], ob
             "H0 plain openai SDK", lambda: [sdk_call() for _ in range(PER_SCOPE_D)],
             lambda: checked_capture(lambda: [sdk_call() for _ in range(PER_SCOPE_D)], PER_SCOPE_D), PER_SCOPE_D),
     }
+    blocks.update(transport_blocks(base_url, model, loop))
     return singles, blocks
+
+
+def transport_blocks(base_url: str, model: str, loop: asyncio.AbstractEventLoop) -> dict[str, Block]:
+    """J, K, L: one hand-written POST per call through requests, httpx2 and aiohttp, captured at their
+    transports (`art_integrations/transports/`), each against the same call uncaptured."""
+    import requests
+
+    url = f"{base_url}/chat/completions"
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4, "temperature": 0}
+    session = requests.Session()
+    calls: dict[str, tuple[str, Callable[[], object]]] = {
+        "J requests": ("J0 plain requests", lambda: session.post(url, json=body, timeout=60).raise_for_status())}
+    if importlib.util.find_spec("httpx2") is not None:
+        import httpx2
+
+        client = httpx2.Client(timeout=60)
+        calls["K httpx2"] = ("K0 plain httpx2", lambda: client.post(url, json=body).raise_for_status())
+    import aiohttp
+
+    async def open_session() -> aiohttp.ClientSession:
+        return aiohttp.ClientSession()
+
+    aio = loop.run_until_complete(open_session())
+    atexit.register(lambda: loop.is_closed() or loop.run_until_complete(aio.close()))  # the bench's loop lives on
+
+    async def aiohttp_post() -> None:
+        async with aio.post(url, json=body) as response:
+            response.raise_for_status()
+            await response.json()
+
+    calls["L aiohttp"] = ("L0 plain aiohttp", lambda: loop.run_until_complete(aiohttp_post()))
+    return {f"{name}, capture/call": Block(
+        baseline, functools.partial(lambda call: [call() for _ in range(PER_SCOPE_D)], call),
+        functools.partial(lambda call: [checked_capture(call, 1) for _ in range(PER_SCOPE_D)], call), PER_SCOPE_D)
+        for name, (baseline, call) in calls.items()}
 
 
 def run_art_script(art_python: str, base_url: str, model: str, calls: int) -> dict[str, list[float]]:
@@ -243,7 +285,7 @@ def micro_us(base_url: str, model: str) -> dict[str, float]:
     original: list[float] = []
     patched: list[float] = []
     for i in range(MICRO_ITERATIONS):  # interleaved, order alternated, as the calls above
-        pair = [(original, lambda: openai_capture.ORIGINAL_SEND(client, request)),
+        pair = [(original, lambda: httpx.Client.send.__wrapped__(client, request)),  # under our wrapper
                 (patched, lambda: client.send(request))]
         for out, send in pair[::1 if i % 2 else -1]:
             out.append(timed(send))

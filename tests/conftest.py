@@ -145,7 +145,12 @@ def server(embedded_engine: TorchEngine) -> Iterator[ServerThread]:
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_engine: TorchEngine) -> Iterator[ServerThread]:
+    """The tiny model served; named to the capture as a backend (as a RemoteBackend on its URL would),
+    so that even a test's first call to it reads its logprobs from the reply, whatever ran before."""
+    from art_integrations.transports.core import known_backend
+
     with ServerThread(create_app(tiny_engine)) as running:
+        known_backend(running.base_url)
         yield running
 
 
@@ -279,3 +284,7 @@ def run_example(module: str, *args: str, timeout: float = 900) -> str:
                             timeout=timeout, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
+
+
+# tests/clients/ runs in the newest-clients venv (`make test-clients`), against a backend process of its own
+collect_ignore = ["clients"]

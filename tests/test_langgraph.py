@@ -234,10 +234,10 @@ async def test_handler_tokens_are_fetched_once_per_gathered_group(tiny_server: S
     client off the openai SDK), under gather the captures leave their token fetch to the group: rewards
     read the replies as messages, and one request per group then puts every reply's exact tokens in place."""
     import art_integrations.capture as capture
-    import art_integrations.openai_capture as openai_capture
+    import art_integrations.transports.core as transport
 
     if not transport_sees_calls:
-        monkeypatch.setattr(openai_capture, "_kind", lambda request: None)
+        monkeypatch.setattr(transport, "generation_kind", lambda method, path: None)
 
     llm = ChatOpenAI(model="tiny-random-smollm2", base_url=f"{tiny_server.base_url}/v1", api_key="unused",
                      max_tokens=40, extra_body={"return_token_ids": True})

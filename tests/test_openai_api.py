@@ -93,6 +93,24 @@ def test_sync_completion_token_ids_decode_to_the_text(client: openai.OpenAI, eng
     assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
 
 
+def test_text_completions_carry_exact_tokens_on_each_engine(client: openai.OpenAI, engine: Engine) -> None:
+    """/v1/completions (completions.py) on the engine interface: a prompt string tokenized as it is,
+    `n` choices with their exact ids and legacy logprobs; streamed, the same ids as whole (greedy)."""
+    prompt = "The capital of France is"
+    sampled = client.completions.create(model=MODEL, prompt=prompt, n=2, max_tokens=6, temperature=0.7, seed=1,
+                                        logprobs=1)  # (vLLM takes n > 1 only sampled)
+    assert sampled.model_extra["prompt_token_ids"] == encode_prompt(engine.tokenizer, prompt)
+    assert [choice.index for choice in sampled.choices] == [0, 1]
+    for choice in sampled.choices:
+        ids = choice.model_extra["token_ids"]
+        assert engine.tokenizer.decode(ids, skip_special_tokens=True) == choice.text
+        assert len(choice.logprobs.token_logprobs) == len(ids) and all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True)
+    streamed = [token for chunk in stream for c in chunk.choices for token in c.model_extra["token_ids"]]
+    assert streamed == whole.choices[0].model_extra["token_ids"]
+
+
 def test_n_samples_come_back_as_separate_choices(client: openai.OpenAI) -> None:
     response = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Pick a random animal."}], n=3,

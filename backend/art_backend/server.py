@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API over an `Engine` (FastAPI).
 
 Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/responses (served
-through the chat path: `responses.py`). Their answers carry the `X-Art-Backend` header, by which
+through the chat path: `responses.py`), POST /v1/completions (text completions: `completions.py`). Their answers carry the `X-Art-Backend` header, by which
 the client's capture knows a backend's reply from any other server's. With `return_token_ids` (as
 vLLM; on unless turned off) responses carry `prompt_token_ids` and each choice's `token_ids`, so clients can
 train on exactly the tokens the policy saw and produced; a prompt that replays an earlier
@@ -56,6 +56,7 @@ from art_backend.protocol import (
     error_body,
     now,
 )
+from art_backend import completions
 from art_backend.responses import ResponsesRequest, chat_request, from_completion, stream_events
 from art_integrations.openai_capture import BACKEND_HEADER, TOKEN_LOGPROBS_HEADER
 
@@ -178,8 +179,25 @@ class ChatService:
         limit = body.completion_limit
         if room <= 0 or (limit is not None and limit > room):
             raise ContextLengthError.over(self.engine.max_model_len, used, limit or 0)
-        params = SamplingParams(
-            max_tokens=limit or room,
+        params = self.sampling_params(
+            body, limit or room,
+            # the token records of `return_token_ids` keep logprobs too (the trainer's importance ratio)
+            logprobs=bool(body.logprobs or body.return_token_ids),
+            top_logprobs=body.top_logprobs or 0,
+            grammar=grammar,
+            # a family whose call markup opens with a special token needs it in the text (as vLLM does)
+            skip_special_tokens=not (parse_tools and self.formatter.tool_format.keeps_special_tokens),
+        )
+        served = None if body.model == self.engine.base_model_name else body.model
+        generation = GenerationRequest(prompt_ids, params, body.n, served)
+        return _Prepared(body, generation, prompt, tools if parse_tools else None, token_logprobs)
+
+    @staticmethod
+    def sampling_params(body: Any, max_tokens: int, **settings: Any) -> SamplingParams:
+        """What a chat or text completion request (the same field names) asks of the sampler;
+        `settings`: the rest of `SamplingParams`, which differ between the two."""
+        return SamplingParams(
+            max_tokens=max_tokens,
             # below 1e-5 is greedy, as in vLLM: dividing float32 logits by less overflows
             temperature=1.0 if body.temperature is None else body.temperature if body.temperature >= 1e-5 else 0.0,
             top_p=1.0 if body.top_p is None else body.top_p,
@@ -191,17 +209,9 @@ class ChatService:
             logit_bias=body.logit_bias or {},
             seed=body.seed,
             stop=body.stop_strings,
-            # the token records of `return_token_ids` keep logprobs too (the trainer's importance ratio)
-            logprobs=bool(body.logprobs or body.return_token_ids),
-            top_logprobs=body.top_logprobs or 0,
             ignore_eos=body.ignore_eos,
-            grammar=grammar,
-            # a family whose call markup opens with a special token needs it in the text (as vLLM does)
-            skip_special_tokens=not (parse_tools and self.formatter.tool_format.keeps_special_tokens),
+            **settings,
         )
-        served = None if body.model == self.engine.base_model_name else body.model
-        generation = GenerationRequest(prompt_ids, params, body.n, served)
-        return _Prepared(body, generation, prompt, tools if parse_tools else None, token_logprobs)
 
     def _grammar(self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
                  tool_choice: str | dict[str, Any] | None, prompt: Prompt) -> str | None:
@@ -591,6 +601,17 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
         answer = await _unless_client_leaves(request, service.complete(prepared))
         return answer if isinstance(answer, JSONResponse) else JSONResponse(from_completion(body, answer),
                                                                             headers=MARK)
+
+    @app.post("/v1/completions", response_model=None, responses={200: {"content": {
+        "application/json": {}, "text/event-stream": {}}}})
+    async def text_completions(body: completions.CompletionRequest, request: Request) -> Any:
+        """OpenAI's text completions (a prompt string or token ids): see `completions.py`."""
+        prepared = await asyncio.to_thread(completions.prepare, service, body, TOKEN_LOGPROBS_HEADER in request.headers)
+        if body.stream:
+            return StreamingResponse(completions.stream(service, prepared), media_type="text/event-stream",
+                                     headers=MARK)
+        answer = await _unless_client_leaves(request, completions.complete(service, prepared))
+        return answer if isinstance(answer, JSONResponse) else JSONResponse(answer, headers=MARK)
 
     if training is not None:
         app.include_router(training_router(training))
