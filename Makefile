@@ -92,9 +92,10 @@ docs: setup
 # .venv-art and the browser are there (the vLLM venv may still be installing); then the vLLM engine's
 # tests and the engine contract tests on the eager path (the fused CPU kernels off) run side by side:
 # vLLM on CPU pins its model runner to one core and spends much of its time starting processes, which
-# leaves the other core to the eager run.
+# leaves the other core to the eager run. The capture under the newest openai SDK (test-clients, a
+# light venv of its own against one backend) runs as soon as its venv and .venv are there.
 test:
-	$(MAKE) --no-print-directory --jobs=4 --output-sync=line test-vllm test-eager
+	$(MAKE) --no-print-directory --jobs=4 --output-sync=line test-vllm test-eager test-clients
 
 # the quick inner loop (docs/contributing/tests.md): client, engine and API units, no scripts or examples
 test-quick: setup
