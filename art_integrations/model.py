@@ -47,7 +47,6 @@ class Model(StrictModel):
     ART_METHODS: ClassVar[dict[str, str]] = {
         "litellm_completion_params": "LiteLLM reaches the model as f\"openai/{model.get_inference_name()}\" with "
                                      "api_base=model.inference_base_url, api_key=model.inference_api_key",
-        "train_sft": "SFT trains a TrainableModel: `await trainable.train_sft(trajectories, TrainSFTConfig(...))`",
         "read_state": "keep run state in your script, in a file of its own",
         "write_state": "keep run state in your script, in a file of its own",
         "merge_state": "keep run state in your script, in a file of its own",
@@ -142,9 +141,9 @@ class Model(StrictModel):
 
 
 class TrainableModel(Model):
-    """A model trained with GRPO (`train`) and SFT (`train_sft`): `name` is served as the newest policy, `name@N` as step N. Once
-    registered, `inference_base_url`, `inference_api_key` and `inference_model_name` point at
-    the backend, as in ART.
+    """A model trained with GRPO (`train`) and SFT (`train_sft`): `name` is served as the newest
+    policy, `name@N` as step N. Once registered, `inference_base_url`, `inference_api_key` and
+    `inference_model_name` point at the backend, as in ART.
 
     ART's `lora_config=art.dev.LoRAConfig(...)` (0.5.23) sets `lora`; ART's `_internal_config`
     (an argument, or set on the model before `register`) is read when it registers: its LoRA

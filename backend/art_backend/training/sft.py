@@ -48,6 +48,7 @@ from art_integrations.trajectory import Choice, History, Trajectory
 # ART's LocalBackend trains SFT in batches of two trajectories when asked for "auto"
 AUTO_BATCH_SIZE = 2
 SFT_LOSS = LossConfig("sft")
+_STAND_IN = "ARTSFTREPLY7Q3"  # plain text no template rewrites, to find where a reply is written
 
 
 class SFTRequestError(ValueError):
@@ -104,14 +105,10 @@ class Renderer:
                                       "with a system or user message")
             try:
                 prompt = self.formatter.render_prompt(messages[:i], tools)
-                written = self.formatter.render(messages[:i + 1], tools)
+                written = self._reply_onwards(messages[:i + 1], tools, prompt.text, f"{where}, messages[{i}]")
             except ChatFormatError as error:
                 raise SFTRequestError(f"{where}, messages[{i}]: {error}") from error
-            if not written.startswith(prompt.text):
-                raise SFTRequestError(f"{where}, messages[{i}]: the chat template writes the conversation before "
-                                      "this assistant message differently once the message follows, so its reply "
-                                      "cannot be told apart from its prompt")
-            completion_text, stop_id = self._reply(written[len(prompt.text):], f"{where}, messages[{i}]")
+            completion_text, stop_id = self._reply(written, f"{where}, messages[{i}]")
             calls_before = {c["id"] for m in messages[:i] for c in m.get("tool_calls") or () if c.get("id")}
             prompt_ids = continuations.tokenize(prompt.text, calls_before)
             completion = encode_prompt(self.tokenizer, completion_text) + [stop_id]
@@ -119,6 +116,23 @@ class Renderer:
                                                             if c.get("id")])
             turns.append(Turn(prompt_ids, completion, message.get("weight", 1) != 0))
         return turns
+
+    def _reply_onwards(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, prompt: str,
+                       where: str) -> str:
+        """The template's text from where the last message (the reply) starts. Mostly the prompt
+        is the start of the conversation written with the reply (the reply then opens with what
+        the model writes first, e.g. Qwen3's empty think block); a template that writes earlier
+        turns otherwise once a reply follows (Mistral's moves the system prompt to the last user
+        turn) puts the reply where a stand-in reply's text lands."""
+        written = self.formatter.render(messages, tools)
+        if written.startswith(prompt):
+            return written[len(prompt):]
+        stand_in = self.formatter.render([*messages[:-1], {"role": "assistant", "content": _STAND_IN}], tools)
+        at = stand_in.find(_STAND_IN)
+        if at < 0 or written[:at] != stand_in[:at]:
+            raise SFTRequestError(f"{where}: the chat template writes this assistant message so that its start "
+                                  "cannot be found, so its reply cannot be told apart from its prompt")
+        return written[at:]
 
     def _reply(self, rest: str, where: str) -> tuple[str, int]:
         """The reply's text (what precedes the first end-of-turn token) and that token."""
