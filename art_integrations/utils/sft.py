@@ -78,7 +78,8 @@ def _check_call(call: Any, where: str, tool_names: set[str] | None) -> str:
     try:
         decoded = json.loads(arguments)
     except json.JSONDecodeError as error:
-        raise _Bad(f"{where}.function.arguments is not valid JSON ({error}): {arguments[:80]!r}") from None
+        raise _Bad(f"{where}.function.arguments is not valid JSON ({error.msg} at character {error.pos + 1}): "
+                   f"{arguments[:80]!r}") from None
     if not isinstance(decoded, dict):
         raise _Bad(f"{where}.function.arguments must encode a JSON object, got {arguments[:80]!r}")
     return call["id"]
@@ -142,9 +143,10 @@ def _check_message(message: Any, where: str, tool_names: set[str] | None, called
 def parse_sft_line(line: str) -> Trajectory:
     """One line of the file as a Trajectory (messages without token ids); `_Bad` says why not."""
     try:
-        data = json.loads(line)
+        data = json.loads(line.strip())
     except json.JSONDecodeError as error:
-        raise _Bad(f"not JSON ({error}): each line must be one JSON object, {{\"messages\": [...]}}") from None
+        raise _Bad(f"not JSON ({error.msg} at character {error.pos + 1}): each line must be one JSON object, "
+                   "{\"messages\": [...]}") from None
     if not isinstance(data, dict):
         raise _Bad(f"a JSON {type(data).__name__}, not an object: each line must be {{\"messages\": [...]}}")
     if "functions" in data:
