@@ -211,7 +211,7 @@ def create_lr_schedule(total_steps: int, peak_lr: float, method: Literal["cosine
     rates = []
     for step in range(max(total_steps, 0)):
         if step < warmup_steps:
-            rates.append(min_lr + (peak_lr - min_lr) * (step + 1) / warmup_steps)
+            rates.append(min_lr + (peak_lr - min_lr) * ((step + 1) / warmup_steps))  # ART's order: its floats
             continue
         progress = (step - warmup_steps) / (decay_steps - 1) if decay_steps > 1 else 0.0
         if method == "cosine":

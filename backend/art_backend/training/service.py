@@ -22,7 +22,7 @@ from typing import Any, Literal
 from art_backend.chat_format import ChatFormatter
 from art_backend.config import default_cache_dir
 from art_backend.durable import write_atomically
-from art_backend.engine.base import Engine, end_of_turn_ids, is_base_model
+from art_backend.engine.base import Engine, is_base_model
 from art_backend.kill_points import kill_point
 from art_backend.training import sync
 from art_backend.training.checkpoints import DamagedCheckpointError, ModelFiles, checkpoint_problem
@@ -297,9 +297,7 @@ class TrainingService:
         """Serving's own formatter (create_app hands it over), so SFT renders as serving prompts."""
         if self.chat_formatter is None:
             self.chat_formatter = self.engine.chat_formatter(None, None)
-        tokenizer = self.engine.tokenizer
-        stop_ids = getattr(self.engine, "stop_ids", None) or end_of_turn_ids(tokenizer, None)
-        return Renderer(self.chat_formatter, tokenizer, sorted(stop_ids))
+        return Renderer.of(self.engine, self.chat_formatter)
 
     async def _commit_step(self, model: ModelFiles, run: Callable[[Path | None, Path], Awaitable[dict[str, float]]],
                            metrics: dict[str, Any], groups: list[TrajectoryGroup], started: float,

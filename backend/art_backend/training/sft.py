@@ -40,6 +40,7 @@ from torch import Tensor
 
 from art_backend.chat_format import ChatFormatError, ChatFormatter, encode_prompt
 from art_backend.continuation import TokenContinuations
+from art_backend.engine.base import Engine, end_of_turn_ids
 from art_backend.training.loss import LossConfig, LossTerms
 from art_backend.training.tokenize import TrainSequence
 from art_integrations.training import TrainSFTConfig
@@ -91,6 +92,12 @@ class Renderer:
 
     def __post_init__(self) -> None:
         self._stop_texts = {self.tokenizer.decode([i], skip_special_tokens=False): i for i in self.stop_ids}
+
+    @classmethod
+    def of(cls, engine: Engine, formatter: ChatFormatter) -> Renderer:
+        """The renderer of what `engine` serves through `formatter`, ending replies where it stops."""
+        stop_ids = getattr(engine, "stop_ids", None) or end_of_turn_ids(engine.tokenizer, None)
+        return cls(formatter, engine.tokenizer, sorted(stop_ids))
 
     def turns(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, where: str) -> list[Turn]:
         """Each assistant message of `messages` as the prompt serving would render before it and
