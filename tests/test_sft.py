@@ -27,7 +27,7 @@ from art_integrations import BackendError, RemoteBackend, TrainableModel, Trajec
 from art_integrations.trajectory import Choice
 from art_integrations.utils.sft import SFTFileError, create_lr_schedule, read_sft_file, train_sft_from_file
 from tests.chat_families import FAMILIES, _family_tokenizer
-from tests.conftest import ServerThread, training_server
+from tests.conftest import ServerThread, training_server, vllm_engine
 
 SEARCH = {"type": "function", "function": {"name": "search", "description": "Search the inbox",
                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
@@ -188,6 +188,27 @@ async def test_an_sft_step_lowers_the_answer_s_cross_entropy_and_is_served_as_a_
         await backend.close()
     optimizer = torch.load(checkpoint.with_name("0002") / "optimizer.pt", weights_only=True)
     assert {float(s["step"]) for s in optimizer["state"].values()} == {5.0}  # 4 updates of step 1, then 1
+
+
+@pytest.mark.vllm
+async def test_an_sft_step_on_the_vllm_engine_trains_its_trainer_s_copy_and_serves_name_at_1(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    engine = vllm_engine(tiny_model_dir)
+    try:
+        with training_server(engine, tmp_path / ".art") as server:
+            backend = RemoteBackend(server.base_url)
+            model = TrainableModel(name="sft-vllm", project="sft")
+            await model.register(backend)
+            result = await model.train_sft([Trajectory(messages_and_choices=ANSWER)] * 3,
+                                           TrainSFTConfig(learning_rate=2e-3, batch_size=1))
+            assert result.step == 1 and result.metrics["optimizer_steps"] == 3
+            assert result.metrics["loss/last_batch"] < result.metrics["loss/first_batch"]
+            reply = await model.openai_client().chat.completions.create(model="sft-vllm@1", messages=ANSWER[:1],
+                                                                        max_tokens=3)
+            assert reply.choices[0].finish_reason in ("stop", "length")  # vLLM serves the SFT checkpoint
+            await backend.close()
+    finally:
+        await engine.close()
 
 
 async def test_a_demonstration_that_cannot_be_trained_refuses_the_step(tiny_training_server: ServerThread) -> None:
