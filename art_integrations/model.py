@@ -245,6 +245,11 @@ class TrainableModel(Model):
                              "only `metric_logging`; pass the step's settings in TrainSFTConfig(...)")
         metric_logging = (_config or {}).get("metric_logging") or {}
         trajectories = list(trajectories)
+        strange = next((t for t in trajectories if not isinstance(t, Trajectory)), None)
+        if strange is not None:
+            hint = (": pass the trajectories of groups, [t for group in groups for t in group]"
+                    if isinstance(strange, TrajectoryGroup) else "")
+            raise TypeError(f"train_sft takes Trajectory objects, not {type(strange).__name__}{hint}")
         if verbose:
             print(f"train_sft: {len(trajectories)} trajectories, {config!r}")
         body = {"trajectories": [t.model_dump(mode="json") for t in trajectories], "config": config.model_dump()}

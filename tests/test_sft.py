@@ -23,7 +23,7 @@ from art_backend.training.service import TrainingService
 from art_backend.training.sft import Renderer, SFTStats, trajectory_sequences
 from art_backend.viewer.app import create_viewer_app
 from art_backend.viewer.tokens import Tokenizers
-from art_integrations import BackendError, RemoteBackend, TrainableModel, Trajectory, TrainSFTConfig
+from art_integrations import BackendError, RemoteBackend, TrainableModel, Trajectory, TrajectoryGroup, TrainSFTConfig
 from art_integrations.trajectory import Choice
 from art_integrations.utils.sft import SFTFileError, create_lr_schedule, read_sft_file, train_sft_from_file
 from tests.chat_families import FAMILIES, _family_tokenizer
@@ -122,6 +122,8 @@ def test_captured_turns_keep_their_exact_tokens_and_last_trains_only_the_last(ti
     [last] = trajectory_sequences(trajectory, "t", renderer, "last", 4096, len(tokenizer), stats)
     assert last.assistant_mask == [False] * 7 + [True] * 2
     assert stats.exact_histories == 2 and stats.rendered_histories == 0
+    with pytest.raises(ValueError, match="every assistant turn starts after token 3"):  # nothing left to learn
+        trajectory_sequences(trajectory, "t", renderer, "all", 3, len(tokenizer), stats)
 
 
 # ----- a real step on the tiny model ----------------------------------------------------------
@@ -218,6 +220,8 @@ async def test_a_demonstration_that_cannot_be_trained_refuses_the_step(tiny_trai
     no_answer = Trajectory(messages_and_choices=[{"role": "user", "content": "hello?"}])
     with pytest.raises(BackendError, match="Nothing was trained: trajectory 1 has no assistant turn"):
         await model.train_sft([Trajectory(messages_and_choices=ANSWER), no_answer])
+    with pytest.raises(TypeError, match=r"pass the trajectories of groups, \[t for group in groups"):
+        await model.train_sft([TrajectoryGroup(trajectories=[Trajectory(messages_and_choices=ANSWER)])])
     with pytest.raises(BackendError, match="1 rates, but 2 trajectories in batches of 1 make 2 batches"):
         await model.train_sft([Trajectory(messages_and_choices=ANSWER)] * 2,
                               TrainSFTConfig(learning_rate=[1e-4], batch_size=1))

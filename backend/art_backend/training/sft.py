@@ -212,6 +212,10 @@ def trajectory_sequences(trajectory: Trajectory, where: str, renderer: Renderer,
         if any(mask):
             # advantage and logprobs are the policy loss's: unused by `sft_loss`
             out.append(TrainSequence(ids, mask, [math.nan] * len(ids), 1.0, 1.0))
+    if not out:
+        raise SFTRequestError(f"{where}: every assistant turn starts after token {max_length}, the longest sequence "
+                              "trained here, so nothing of it would be learnt: shorten the conversation before its "
+                              "answers (or train the answer with less context)")
     stats.sequences += len(out)
     stats.trained_tokens += sum(sum(s.assistant_mask) for s in out)
     return out
