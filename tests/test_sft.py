@@ -20,10 +20,13 @@ from art_backend.engine.base import end_of_turn_ids
 from art_backend.protocol import ChatCompletionRequest
 from art_backend.server import ChatService
 from art_backend.training.service import TrainingService
-from art_backend.training.sft import Renderer, SFTStats, trajectory_sequences
+from art_backend.training.packing import pack
+from art_backend.training.sft import SFT_LOSS, Renderer, SFTStats, plan_sft, trajectory_sequences
+from art_backend.training.trainer import LoraTrainer
 from art_backend.viewer.app import create_viewer_app
 from art_backend.viewer.tokens import Tokenizers
-from art_integrations import BackendError, RemoteBackend, TrainableModel, Trajectory, TrajectoryGroup, TrainSFTConfig
+from art_integrations import (BackendError, LoraConfig, RemoteBackend, TrainableModel, TrainConfig, Trajectory,
+                              TrajectoryGroup, TrainSFTConfig)
 from art_integrations.trajectory import Choice
 from art_integrations.utils.sft import SFTFileError, create_lr_schedule, read_sft_file, train_sft_from_file
 from tests.chat_families import FAMILIES, _family_tokenizer
@@ -124,6 +127,54 @@ def test_captured_turns_keep_their_exact_tokens_and_last_trains_only_the_last(ti
     assert stats.exact_histories == 2 and stats.rendered_histories == 0
     with pytest.raises(ValueError, match="every assistant turn starts after token 3"):  # nothing left to learn
         trajectory_sequences(trajectory, "t", renderer, "all", 3, len(tokenizer), stats)
+
+
+# ----- the loss --------------------------------------------------------------------------------
+
+def test_the_loss_is_the_token_mean_cross_entropy_packed_with_the_shared_prefix_once(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    renderer = Renderer(_serving(tokenizer).formatter, tokenizer, sorted(end_of_turn_ids(tokenizer, None)))
+    system = {"role": "system", "content": "You answer questions about capitals, in one word. " * 8}
+    demonstrations = [Trajectory(messages_and_choices=[system, {"role": "user", "content": f"Capital of {c}?"},
+                                                       {"role": "assistant", "content": a}])
+                      for c, a in [("France", "Paris"), ("Peru", "Lima"), ("Japan", "Tokyo")]]
+    [batch] = plan_sft(demonstrations, TrainSFTConfig(batch_size=3), renderer, 4096, len(tokenizer)).batches
+    [packed_batch] = pack(batch, 2048)
+    assert packed_batch.token_ids.shape[0] == 1  # one row: the system prompt's tokens are in it once
+    assert packed_batch.tokens < sum(len(s) for s in batch) - 2 * 80
+
+    torch.manual_seed(0)
+    trainer = LoraTrainer(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
+    trainer._adapter("m", LoraConfig(), None)  # noqa: SLF001 - the adapter both ways are computed with
+    assert trainer.peft is not None
+    with torch.no_grad():  # B starts at zero: give the adapter an effect, so its gradients are all non-zero
+        for name, param in trainer.peft.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+
+    def loss_and_gradients(packing: bool) -> tuple[float, dict[str, torch.Tensor]]:
+        assert trainer.peft is not None
+        trainer.packing = packing
+        trainer.peft.zero_grad(set_to_none=True)
+        loss = trainer.accumulate_gradients(batch, TrainConfig(), SFT_LOSS)["loss"]
+        return loss, {n: p.grad.clone() for n, p in trainer.peft.named_parameters() if p.grad is not None}
+
+    packed_loss, packed = loss_and_gradients(True)
+    plain_loss, plain = loss_and_gradients(False)
+    with torch.no_grad():  # the formula, straight: (1/|T|) sum over trained tokens of -log p(x_t | x_<t)
+        nll = []
+        for sequence in batch:
+            ids = torch.tensor([sequence.token_ids])
+            logp = torch.log_softmax(trainer.peft(input_ids=ids).logits[0, :-1].float(), -1)
+            picked = logp.gather(-1, ids[0, 1:, None])[:, 0]
+            nll.append(-picked[torch.tensor(sequence.assistant_mask[1:])])
+        formula = float(torch.cat(nll).mean())
+    assert packed_loss == pytest.approx(formula, rel=1e-5) and plain_loss == pytest.approx(formula, rel=1e-5)
+    assert packed.keys() == plain.keys() and packed
+    for name, gradient in packed.items():
+        torch.testing.assert_close(gradient, plain[name], rtol=1e-4, atol=1e-7, msg=name)
 
 
 # ----- a real step on the tiny model ----------------------------------------------------------
