@@ -245,6 +245,8 @@ class TrainableModel(Model):
                              "only `metric_logging`; pass the step's settings in TrainSFTConfig(...)")
         metric_logging = (_config or {}).get("metric_logging") or {}
         trajectories = list(trajectories)
+        if not trajectories:
+            raise ValueError("train_sft got no trajectories: pass at least one demonstration")
         strange = next((t for t in trajectories if not isinstance(t, Trajectory)), None)
         if strange is not None:
             hint = (": pass the trajectories of groups, [t for group in groups for t in group]"

@@ -271,6 +271,8 @@ async def test_a_demonstration_that_cannot_be_trained_refuses_the_step(tiny_trai
     no_answer = Trajectory(messages_and_choices=[{"role": "user", "content": "hello?"}])
     with pytest.raises(BackendError, match="Nothing was trained: trajectory 1 has no assistant turn"):
         await model.train_sft([Trajectory(messages_and_choices=ANSWER), no_answer])
+    with pytest.raises(ValueError, match="no trajectories"):
+        await model.train_sft([])
     with pytest.raises(TypeError, match=r"pass the trajectories of groups, \[t for group in groups"):
         await model.train_sft([TrajectoryGroup(trajectories=[Trajectory(messages_and_choices=ANSWER)])])
     with pytest.raises(BackendError, match="1 rates, but 2 trajectories in batches of 1 make 2 batches"):
