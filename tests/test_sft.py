@@ -207,6 +207,13 @@ async def test_an_sft_step_lowers_the_answer_s_cross_entropy_and_is_served_as_a_
         backend = RemoteBackend(server.base_url)
         model = TrainableModel(name="sft-agent", project="sft")
         await model.register(backend)
+        # the served prompt of a conversation's first turn is the rendered one, over HTTP too
+        [first, _] = renderer.turns(CONVERSATION, [SEARCH], "conversation")
+        served = await model.openai_client().chat.completions.create(
+            model="sft-agent", messages=CONVERSATION[:2], tools=[SEARCH], max_tokens=1,
+            extra_body={"return_token_ids": True})
+        assert served.model_extra["prompt_token_ids"] == first.prompt
+
         demonstrations = [Trajectory(messages_and_choices=ANSWER) for _ in range(4)]
         result = await model.train_sft(demonstrations, TrainSFTConfig(learning_rate=2e-3, batch_size=1))
 
@@ -273,6 +280,8 @@ async def test_a_demonstration_that_cannot_be_trained_refuses_the_step(tiny_trai
         await model.train_sft([Trajectory(messages_and_choices=ANSWER), no_answer])
     with pytest.raises(ValueError, match="no trajectories"):
         await model.train_sft([])
+    with pytest.raises(ValueError, match="only `metric_logging`"):  # ART's dev.TrainSFTConfig's one field
+        await model.train_sft([Trajectory(messages_and_choices=ANSWER)], _config={"precalculate_logprobs": True})
     with pytest.raises(TypeError, match=r"pass the trajectories of groups, \[t for group in groups"):
         await model.train_sft([TrajectoryGroup(trajectories=[Trajectory(messages_and_choices=ANSWER)])])
     with pytest.raises(BackendError, match="1 rates, but 2 trajectories in batches of 1 make 2 batches"):
