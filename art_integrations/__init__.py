@@ -1,7 +1,7 @@
 """Client side of ART integrations: capture agent rollouts and train them on an art-backend.
 
 This package stays light (no torch): it talks to the backend over HTTP. ART's names are here
-too (`Model`, `TrainableModel`, `Trajectory`, `TrajectoryGroup`, `TrainConfig`,
+too (`Model`, `TrainableModel`, `Trajectory`, `TrajectoryGroup`, `TrainConfig`, `TrainSFTConfig`,
 `gather_trajectory_groups`, `iterate_dataset`, `retry`, and ART 0.5.23's capture API:
 `trajectory`, `trajectory_group`, `current_trajectory`, `no_capture`), so an ART script runs with
 `import art_integrations as art` ([Coming from ART](../art.md) in the docs).
