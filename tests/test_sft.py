@@ -1,6 +1,6 @@
 """SFT (ART's `train_sft`, `train_sft_from_file`) on the tiny model: a real step lowers the
 demonstrated answer's cross-entropy and is a checkpoint like a GRPO step's (served as `name@1`,
-in the history and the viewer, resumed after a restart); demonstrations without token ids render
+in the history and the viewer, pushed, pulled and resumed elsewhere); demonstrations without token ids render
 to exactly what serving prompts and produces, in each family's tool-call markup; a bad file line
 is refused by its number, with nothing trained."""
 
@@ -195,7 +195,7 @@ def _cross_entropy(model_dir: Path, tokens: list[int], mask: list[bool], adapter
     return float(-picked[trained].mean())
 
 
-async def test_an_sft_step_lowers_the_answer_s_cross_entropy_and_is_served_as_a_checkpoint(
+async def test_an_sft_step_lowers_the_answer_s_cross_entropy_is_served_synced_and_resumed(
         tiny_engine: Any, tiny_model_dir: Path, cache_dir: Path, tmp_path: Path) -> None:
     art_dir = tmp_path / ".art"
     renderer = TrainingService(tiny_engine, art_dir)._renderer()
@@ -227,6 +227,8 @@ async def test_an_sft_step_lowers_the_answer_s_cross_entropy_and_is_served_as_a_
         reply = await model.openai_client().chat.completions.create(model="sft-agent@1", messages=ANSWER[:1],
                                                                     max_tokens=3)
         assert reply.choices[0].message is not None  # the checkpoint is served as name@1
+        store = f"file://{tmp_path / 'store'}"
+        assert (await backend.push_checkpoints(model, store))["steps"] == [1]  # checkpoint sync takes it
         await backend.close()
 
     viewer = TestClient(create_viewer_app(art_dir, Tokenizers(cache_dir)))
@@ -237,16 +239,21 @@ async def test_an_sft_step_lowers_the_answer_s_cross_entropy_and_is_served_as_a_
     after = _cross_entropy(tiny_model_dir, sequence.token_ids, sequence.assistant_mask, checkpoint)
     assert after < before - 0.5, (before, after)
 
-    # a restarted backend resumes from it: the next SFT step continues its adapter and optimizer
-    with training_server(tiny_engine, art_dir) as server:
+    # another backend, on an empty art dir, pulls it and resumes: the next SFT step continues its
+    # adapter and optimizer (a restart on the same art dir resumes the same way: test_crash_recovery.py)
+    elsewhere = tmp_path / "elsewhere"
+    with training_server(tiny_engine, elsewhere) as server:
         backend = RemoteBackend(server.base_url)
         model = TrainableModel(name="sft-agent", project="sft")
+        await backend.pull_checkpoints(model, store)
         await model.register(backend)
         assert await model.get_step() == 1
+        assert [r["kind"] for r in await model.history() if r["split"] == "train"] == ["sft"]
         second = await model.train_sft(demonstrations[:2], TrainSFTConfig(learning_rate=2e-3, batch_size=2))
         assert second.step == 2 and second.metrics["optimizer_steps"] == 1
         await backend.close()
-    optimizer = torch.load(checkpoint.with_name("0002") / "optimizer.pt", weights_only=True)
+    optimizer = torch.load(elsewhere / "sft" / "models" / "sft-agent" / "checkpoints" / "0002" / "optimizer.pt",
+                           weights_only=True)
     assert {float(s["step"]) for s in optimizer["state"].values()} == {5.0}  # 4 updates of step 1, then 1
 
 
