@@ -1,8 +1,9 @@
 """SFT (ART's `train_sft`, `train_sft_from_file`) on the tiny model: a real step lowers the
 demonstrated answer's cross-entropy and is a checkpoint like a GRPO step's (served as `name@1`,
-in the history and the viewer, pushed, pulled and resumed elsewhere); demonstrations without token ids render
-to exactly what serving prompts and produces, in each family's tool-call markup; a bad file line
-is refused by its number, with nothing trained."""
+in the history and the viewer, pushed, pulled and resumed elsewhere); demonstrations without
+token ids render to exactly what serving prompts and produces, in each family's tool-call
+markup; the loss is the token-mean cross-entropy, packed; a bad file line is refused by its
+number, with nothing trained."""
 
 from __future__ import annotations
 
