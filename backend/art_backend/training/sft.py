@@ -209,6 +209,7 @@ def trajectory_sequences(trajectory: Trajectory, where: str, renderer: Renderer,
         if len(ids) > max_length:  # the head is kept, as a GRPO step keeps it
             stats.truncated += 1
             ids, mask = ids[:max_length], mask[:max_length]
+        mask = [False, *mask[1:]]  # a sequence's first token follows nothing: no logits predict it
         if any(mask):
             # advantage and logprobs are the policy loss's: unused by `sft_loss`
             out.append(TrainSequence(ids, mask, [math.nan] * len(ids), 1.0, 1.0))
