@@ -18,7 +18,7 @@ TEST_THREADS ?= $(shell n=$$(nproc); echo $$(( n / $(TEST_WORKERS) > 0 ? n / $(T
 ENGINE_TESTS := tests/test_openai_api.py tests/test_engines.py tests/test_training_backend.py tests/test_grpo_learns.py \
 	tests/test_chat_families.py
 # Tests whose vLLM part (-m vllm) runs in .venv-vllm beside the engine contract tests
-VLLM_TESTS := $(ENGINE_TESTS) tests/test_gpu_kit.py tests/test_export.py
+VLLM_TESTS := $(ENGINE_TESTS) tests/test_gpu_kit.py tests/test_export.py tests/test_sft.py
 # `make test-quick`: the tests that need no script, example or backend process of their own
 QUICK_TESTS := tests/test_training_units.py tests/test_tree_attention.py tests/test_chat_format.py tests/test_gather.py \
 	tests/test_client_settings.py tests/test_capture_openai_sdk.py tests/test_capture_warnings.py \

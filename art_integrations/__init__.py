@@ -1,7 +1,7 @@
 """Client side of ART integrations: capture agent rollouts and train them on an art-backend.
 
 This package stays light (no torch): it talks to the backend over HTTP. ART's names are here
-too (`Model`, `TrainableModel`, `Trajectory`, `TrajectoryGroup`, `TrainConfig`,
+too (`Model`, `TrainableModel`, `Trajectory`, `TrajectoryGroup`, `TrainConfig`, `TrainSFTConfig`,
 `gather_trajectory_groups`, `iterate_dataset`, `retry`, and ART 0.5.23's capture API:
 `trajectory`, `trajectory_group`, `current_trajectory`, `no_capture`), so an ART script runs with
 `import art_integrations as art` ([Coming from ART](../art.md) in the docs).
@@ -22,7 +22,7 @@ from art_integrations.model import Model, TrainableModel, TrainResult
 from art_integrations.ray_rollouts import RayRollouts  # imports Ray only when a gather first uses it
 from art_integrations.retry import retry
 from art_integrations.dev import LoRAConfig  # ART 0.5.23's adapter settings, for TrainableModel(lora_config=...)
-from art_integrations.training import LoraConfig, TrainConfig
+from art_integrations.training import LoraConfig, TrainConfig, TrainSFTConfig
 from art_integrations.trajectory import Choice, History, Trajectory, TrajectoryGroup
 
 __version__ = "0.1.0"
@@ -41,6 +41,7 @@ __all__ = [
     "RemoteBackend",
     "TrainConfig",
     "TrainResult",
+    "TrainSFTConfig",
     "TrainableModel",
     "Trajectory",
     "TrajectoryGroup",
@@ -67,7 +68,6 @@ _ART_ONLY = {
     "yield_trajectory": "return the Trajectory from the rollout",
     "capture_yielded_trajectory": "return the Trajectory from the rollout",
     "ServerlessBackend": "RemoteBackend(url, api_key=...) reaches an art-backend anywhere",
-    "TrainSFTConfig": "only GRPO training is offered",
     "trajectory_group_batches": "iterate_dataset(...) batches scenarios into steps",
     # ART 0.5.23's
     "LocalTrainResult": "model.train() and backend.train() return TrainResult (step, metrics); checkpoints are "

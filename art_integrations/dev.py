@@ -11,5 +11,6 @@ PeftArgs = dict  # ART 0.5.18's adapter settings (r, lora_alpha, target_modules,
 LoRAConfig = dict  # ART 0.5.23's adapter settings (rank, alpha, target_modules, ...)
 TrainerArgs = dict
 TrainConfig = dict  # ART's experimental train settings, `_config=` of train()
+TrainSFTConfig = dict  # ART's experimental SFT settings, `_config=` of train_sft() (its `metric_logging`)
 
-__all__ = ["EngineArgs", "InitArgs", "InternalModelConfig", "LoRAConfig", "PeftArgs", "TrainConfig", "TrainerArgs"]
+__all__ = ["EngineArgs", "InitArgs", "InternalModelConfig", "LoRAConfig", "PeftArgs", "TrainConfig", "TrainSFTConfig", "TrainerArgs"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -15,8 +15,8 @@ from art_integrations.art_config import from_internal_config, from_lora_config, 
 from art_integrations.backend import Backend, LocalBackend
 from art_integrations.observability.wandb import WandbReporter, reporter_for
 from art_integrations.strict import StrictModel
-from art_integrations.training import LoraConfig, TrainConfig
-from art_integrations.trajectory import TrajectoryGroup
+from art_integrations.training import LoraConfig, TrainConfig, TrainSFTConfig
+from art_integrations.trajectory import Trajectory, TrajectoryGroup
 
 
 ExportFormat = Literal["adapter", "merged", "gguf"]
@@ -47,7 +47,6 @@ class Model(StrictModel):
     ART_METHODS: ClassVar[dict[str, str]] = {
         "litellm_completion_params": "LiteLLM reaches the model as f\"openai/{model.get_inference_name()}\" with "
                                      "api_base=model.inference_base_url, api_key=model.inference_api_key",
-        "train_sft": "only GRPO training is offered: model.train(groups)",
         "read_state": "keep run state in your script, in a file of its own",
         "write_state": "keep run state in your script, in a file of its own",
         "merge_state": "keep run state in your script, in a file of its own",
@@ -142,9 +141,9 @@ class Model(StrictModel):
 
 
 class TrainableModel(Model):
-    """A model trained with GRPO: `name` is served as the newest policy, `name@N` as step N. Once
-    registered, `inference_base_url`, `inference_api_key` and `inference_model_name` point at
-    the backend, as in ART.
+    """A model trained with GRPO (`train`) and SFT (`train_sft`): `name` is served as the newest
+    policy, `name@N` as step N. Once registered, `inference_base_url`, `inference_api_key` and
+    `inference_model_name` point at the backend, as in ART.
 
     ART's `lora_config=art.dev.LoRAConfig(...)` (0.5.23) sets `lora`; ART's `_internal_config`
     (an argument, or set on the model before `register`) is read when it registers: its LoRA
@@ -225,6 +224,43 @@ class TrainableModel(Model):
                 "dropped": [d["reason"] for d in getattr(groups, "dropped", [])]}
         result = TrainResult.model_validate(await self.backend.request("POST", self._path("train"), body))
         await self._report(result.step, "train", result.metrics)
+        return result
+
+    async def train_sft(self, trajectories: Iterable[Trajectory], config: TrainSFTConfig | None = None,
+                        _config: Mapping[str, Any] | None = None, verbose: bool = False,
+                        log_metrics: bool = True) -> TrainResult:
+        """One SFT step on demonstrations (ART 0.5.23's `train_sft`): the token-mean cross-entropy of
+        their assistant turns (`config.assistant_turns`: all, or each conversation's last), in
+        batches of `config.batch_size`, one optimizer step each; the new checkpoint is served as
+        `name@N` before this returns, and recorded in the history like a GRPO step. Captured
+        trajectories train on their exact tokens; messages without token ids (a teacher's, a
+        file's) are rendered with the served model's chat template and tool-call markup, as serving
+        would have prompted and produced them. Nothing is trained if any trajectory is refused.
+        `_config`: ART's `art.dev.TrainSFTConfig` (its `metric_logging` is taken; `log_metrics`
+        says whether W&B gets the step's metrics). `verbose`: print a line on the step."""
+        config = config or TrainSFTConfig()
+        unknown = sorted(set(_config or {}) - {"metric_logging"})
+        if unknown:
+            raise ValueError(f"_config has {', '.join(map(repr, unknown))}: ART's dev.TrainSFTConfig settings here are "
+                             "only `metric_logging`; pass the step's settings in TrainSFTConfig(...)")
+        metric_logging = (_config or {}).get("metric_logging") or {}
+        trajectories = list(trajectories)
+        if not trajectories:
+            raise ValueError("train_sft got no trajectories: pass at least one demonstration")
+        strange = next((t for t in trajectories if not isinstance(t, Trajectory)), None)
+        if strange is not None:
+            hint = (": pass the trajectories of groups, [t for group in groups for t in group]"
+                    if isinstance(strange, TrajectoryGroup) else "")
+            raise TypeError(f"train_sft takes Trajectory objects, not {type(strange).__name__}{hint}")
+        if verbose:
+            print(f"train_sft: {len(trajectories)} trajectories, {config!r}")
+        body = {"trajectories": [t.model_dump(mode="json") for t in trajectories], "config": config.model_dump()}
+        result = TrainResult.model_validate(await self.backend.request("POST", self._path("train_sft"), body))
+        if log_metrics and metric_logging.get("enabled", True):
+            await self._report(result.step, "train", result.metrics)
+        if verbose:
+            print(f"train_sft: step {result.step}, loss {result.metrics.get('loss')}, "
+                  f"{result.metrics.get('tokens/assistant')} trained tokens")
         return result
 
     async def delete_checkpoints(self, best_metric: str = "reward/mean", best_split: str = "val", *,

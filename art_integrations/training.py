@@ -1,10 +1,10 @@
-"""Settings of a GRPO training step (sent to the backend with each `model.train()`)."""
+"""Settings of a training step, sent to the backend: GRPO (`model.train()`) and SFT (`model.train_sft()`)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
 from art_integrations.strict import StrictModel
 
@@ -57,3 +57,31 @@ class LoraConfig(StrictModel):
     alpha: int = Field(default=16, ge=1)
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+class TrainSFTConfig(StrictModel):
+    """ART 0.5.23's SFT settings (`art.TrainSFTConfig`), same names and defaults. One
+    `model.train_sft()` is one checkpoint; inside it the trajectories are cut into batches of
+    `batch_size`, one optimizer step each. `learning_rate`: one rate for every batch, or one per
+    batch (a schedule, as `train_sft_from_file` makes). `assistant_turns`: train every assistant
+    turn of a conversation, or only its last (the earlier ones are then context)."""
+
+    learning_rate: float | list[float] = 5e-5
+    batch_size: int | Literal["auto"] = "auto"  # "auto": 2 trajectories a batch, as ART's LocalBackend
+    assistant_turns: Literal["all", "last"] = "all"
+
+    @field_validator("learning_rate")
+    @classmethod
+    def _rates(cls, rate: float | list[float]) -> float | list[float]:
+        # 0 is allowed: a linear schedule decays to it on its last batch
+        rates = rate if isinstance(rate, list) else [rate]
+        if not rates or any(not 0 <= r < 1 for r in rates):
+            raise ValueError(f"learning_rate must be a rate in [0, 1) or a non-empty list of them, got {rate!r}")
+        return rate
+
+    @field_validator("batch_size")
+    @classmethod
+    def _batch(cls, size: int | str) -> int | str:
+        if isinstance(size, int) and size < 1:
+            raise ValueError(f"batch_size must be at least 1 (trajectories per optimizer step) or 'auto', got {size}")
+        return size

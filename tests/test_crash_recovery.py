@@ -26,7 +26,7 @@ from art_backend.kill_points import MOMENTS
 from art_backend.server import create_app
 from art_backend.training.checkpoints import checkpoint_problem
 from art_backend.training.service import TrainingService
-from art_integrations import BackendError, RemoteBackend, TrainableModel, TrainConfig
+from art_integrations import BackendError, RemoteBackend, TrainableModel, TrainConfig, Trajectory, TrainSFTConfig
 from tests.conftest import ServerThread, free_port, scored_group
 
 TINY = "tiny-random-smollm2"
@@ -176,6 +176,39 @@ async def test_a_backend_killed_at_any_moment_recovers_every_acknowledged_step(t
         backend, model = await _registered(process)
         assert await model.get_step() == acknowledged + 1
         _check_stored(art_dir, acknowledged + 1)
+        await backend.close()
+
+
+async def test_an_sft_step_killed_midway_is_rolled_back_and_one_killed_once_committed_is_recovered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An SFT step (train_sft) commits as a GRPO step does: killed while its checkpoint is written,
+    a restart rolls it back; killed once committed, a restart publishes and serves it."""
+    # no fused decode kernels: building them would take most of each of the three starts, and
+    # what is checked here is the step on disk, not decoding
+    monkeypatch.setenv("ART_BACKEND_CPU_KERNELS", "false")
+    art_dir = tmp_path / ".art"
+    demonstrations = [Trajectory(messages_and_choices=[{"role": "user", "content": "Code word?"},
+                                                       {"role": "assistant", "content": "pineapple"}])] * 2
+    config = TrainSFTConfig(learning_rate=1e-3, batch_size=1)  # two optimizer steps in the one step
+    for kill_at, step_after in (("checkpoint_half_written", 0), ("step_committed", 0)):
+        with backend_process(art_dir, kill_at=kill_at) as process:
+            backend, model = await _registered(process)
+            assert await model.get_step() == step_after
+            with pytest.raises(BackendError, match="connection broke"):
+                await model.train_sft(demonstrations, config)
+            _killed(process)
+            await backend.close()
+    with backend_process(art_dir) as process:
+        backend, model = await _registered(process)
+        assert await model.get_step() == 1
+        directory = art_dir / "crash" / "models" / "agent"
+        assert sorted(p.name for p in (directory / "checkpoints").iterdir()) == ["0001"]
+        [record] = [r for r in await model.history() if r["split"] == "train"]
+        assert record["step"] == 1 and record["kind"] == "sft" and record["optimizer_steps"] == 2
+        assert (directory / "trajectories" / "train" / "0001.jsonl").is_file()
+        assert "agent@1" in {m.id for m in (await model.openai_client().models.list()).data}
+        optimizer = torch.load(directory / "checkpoints" / "0001" / "optimizer.pt", weights_only=True)
+        assert {float(s["step"]) for s in optimizer["state"].values()} == {2.0}
         await backend.close()
 
 

@@ -112,6 +112,35 @@ def test_unsloth_and_peft_agree_within_bf16_tolerance_or_the_verdict_fails() -> 
     assert not passed and rows["verdict"] == "FAIL"
 
 
+def test_the_unsloth_stage_measures_a_grpo_step_and_an_sft_pass_with_the_trainers_losses(tiny_model_dir: Path) -> None:
+    """The stage's measurement, on the CPU with peft's trainer and the tiny model: both losses give
+    a loss and non-zero gradients on every LoRA tensor, and a trainer agrees with itself."""
+    from art_backend.training.sft import SFT_LOSS
+    from art_backend.training.trainer import LoraTrainer, load_peft_model
+    from art_integrations import LoraConfig
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_training import real_step
+
+    trainer = LoraTrainer(*load_peft_model(tiny_model_dir))
+    trainer._adapter("compare", LoraConfig(), None)  # noqa: SLF001 - as the stage sets it up
+    assert trainer.peft is not None
+    named = {n: p for n, p in trainer.peft.named_parameters() if p.requires_grad}
+    with torch.no_grad():  # B starts at zero, which would leave A's gradients zero
+        for name, p in named.items():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    sequences = real_step()[0][:2]
+    grpo = unsloth_vs_peft.measure(trainer, named, sequences, None)
+    sft = unsloth_vs_peft.measure(trainer, named, unsloth_vs_peft.sft(sequences), SFT_LOSS)
+    assert sft["loss"] > 1.0 and grpo["loss"] != sft["loss"]  # a random model's cross-entropy is high
+    for measured in (grpo, sft):
+        assert len(measured["grads"]) == len(named) and all(float(g.abs().max()) > 0 for g in measured["grads"].values())
+    rows, passed = unsloth_vs_peft.compare(sft, unsloth_vs_peft.measure(trainer, named, unsloth_vs_peft.sft(sequences),
+                                                                        SFT_LOSS))
+    assert passed, rows
+
+
 @pytest.mark.vllm
 def test_check_sh_runs_its_first_stage_on_the_cpu_with_vllm(tmp_path: Path) -> None:
     pytest.importorskip("vllm", reason="vLLM is not installed in this venv: `make test` runs this in .venv-vllm")

@@ -614,5 +614,6 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
         return answer if isinstance(answer, JSONResponse) else JSONResponse(answer, headers=MARK)
 
     if training is not None:
+        training.chat_formatter = service.formatter  # SFT renders demonstrations exactly as serving prompts
         app.include_router(training_router(training))
     return app

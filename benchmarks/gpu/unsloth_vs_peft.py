@@ -1,12 +1,13 @@
-"""Unsloth's trainer against peft's on one GRPO step, on a GPU: the same groups (the main job's first
-step, `tests/fixtures/city_facts_step.jsonl`, as the trainer tokenizes it), the same LoRA weights
-(every A and B set from a seed of its name, so B is not zero and every gradient is), the same
-`LoraTrainer` loss; peft's copy runs the step packed into prefix trees, Unsloth's as padded rows
-(its attention builds its own causal masks). Each trainer runs in a process of its own (Unsloth
-patches transformers when imported), one warm-up pass and then the measured one: the loss, every
-LoRA gradient, seconds and peak GPU memory. Passes when, at bf16's precision, the losses agree
-within LOSS_RTOL and the gradients (all LoRA tensors as one vector) within GRAD_RTOL in norm of
-their difference, with a cosine of at least GRAD_COSINE.
+"""Unsloth's trainer against peft's on one GRPO step and one SFT pass, on a GPU: the same groups
+(the main job's first step, `tests/fixtures/city_facts_step.jsonl`, as the trainer tokenizes it;
+for SFT, its rollouts' replies as demonstrations, each token weighing the same), the same LoRA
+weights (every A and B set from a seed of its name, so B is not zero and every gradient is), the
+same `LoraTrainer` losses; peft's copy runs the step packed into prefix trees, Unsloth's as padded
+rows (its attention builds its own causal masks). Each trainer runs in a process of its own
+(Unsloth patches transformers when imported), per loss one warm-up pass and then the measured
+one: the loss, every LoRA gradient, seconds and peak GPU memory. Passes when, for both losses at
+bf16's precision, the losses agree within LOSS_RTOL and the gradients (all LoRA tensors as one
+vector) within GRAD_RTOL in norm of their difference, with a cosine of at least GRAD_COSINE.
 
     python benchmarks/gpu/unsloth_vs_peft.py [--json out.json]      # from the repository root
 """
@@ -23,7 +24,14 @@ import time
 import zlib
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:  # the backend's modules import transformers, which a child with Unsloth imports after it
+    from art_backend.training.loss import LossConfig
+    from art_backend.training.tokenize import TrainSequence
+    from art_backend.training.trainer import LoraTrainer
 
 LOSS_RTOL = 2e-2
 GRAD_RTOL = 5e-2
@@ -37,8 +45,9 @@ def run_one(trainer_name: str, save: Path) -> None:
         from art_backend.training.unsloth import load_unsloth_model
     from art_backend.config import BackendSettings
     from art_backend.model_store import embedded_model_dir
+    from art_backend.training.sft import SFT_LOSS
     from art_backend.training.trainer import LoraTrainer, load_peft_model
-    from art_integrations.training import LoraConfig, TrainConfig
+    from art_integrations.training import LoraConfig
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench_training import real_step
 
@@ -52,20 +61,43 @@ def run_one(trainer_name: str, save: Path) -> None:
             seeded = torch.Generator().manual_seed(zlib.crc32(name.encode()))
             p.copy_(torch.randn(p.shape, generator=seeded) * 0.02)
     sequences, _ = real_step()
-    config = TrainConfig()
     trainer.peft.train()
-    trainer.accumulate_gradients(sequences, config)  # warm-up: kernels compiled, memory pools grown
-    for p in params:
+    torch.save({"grpo": measure(trainer, named, sequences, None),
+                "sft": measure(trainer, named, sft(sequences), SFT_LOSS),
+                "packed": trainer.packing, "tokens": sum(len(s) for s in sequences)}, save)
+
+
+def sft(sequences: list[TrainSequence]) -> list[TrainSequence]:
+    """The rollouts' replies as SFT demonstrations: the same tokens, each of the same weight."""
+    from art_backend.training.tokenize import TrainSequence
+
+    return [TrainSequence(s.token_ids, s.assistant_mask, s.logprobs, 1.0, 1.0) for s in sequences]
+
+
+def measure(trainer: LoraTrainer, named: dict[str, torch.Tensor], sequences: list[TrainSequence],
+            losses: LossConfig | None) -> dict:
+    """One warm-up pass (kernels compiled, memory pools grown), then the measured one: its loss
+    (`losses`: SFT's, else the GRPO loss TrainConfig names), seconds, peak GPU memory, gradients."""
+    from art_integrations.training import TrainConfig
+
+    config = TrainConfig()
+    cuda = torch.cuda.is_available()
+    trainer.accumulate_gradients(sequences, config, losses)
+    for p in named.values():
         p.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    sums = trainer.accumulate_gradients(sequences, config)
-    torch.cuda.synchronize()
+    sums = trainer.accumulate_gradients(sequences, config, losses)
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - started
-    torch.save({"loss": sums["loss"], "seconds": seconds, "peak_bytes": torch.cuda.max_memory_allocated(),
-                "packed": trainer.packing, "tokens": sum(len(s) for s in sequences),
-                "grads": {n: p.grad.float().cpu() for n, p in named.items()}}, save)
+    grads = {n: p.grad.float().cpu() for n, p in named.items()}
+    for p in named.values():
+        p.grad = None
+    return {"loss": sums["loss"], "seconds": seconds, "peak_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
+            "grads": grads}
 
 
 def compare(peft: dict, unsloth: dict) -> tuple[dict[str, str], bool]:
@@ -104,9 +136,13 @@ def main() -> None:
             subprocess.run([sys.executable, __file__, "--one", name, "--save", str(save)], check=True)
             results[name] = torch.load(save, weights_only=True)
     assert results["peft"]["packed"] and not results["unsloth"]["packed"], "not the trainers meant"
-    rows, passed = compare(results["peft"], results["unsloth"])
+    rows, passed = compare(results["peft"]["grpo"], results["unsloth"]["grpo"])
+    sft_rows, sft_passed = compare(results["peft"]["sft"], results["unsloth"]["sft"])
+    rows.update({f"SFT: {key}": value for key, value in sft_rows.items()})
+    passed = passed and sft_passed
+    rows["verdict"] = "PASS" if passed else "FAIL"  # both losses'
     width = max(map(len, rows))
-    print(f"One GRPO step on {results['peft']['tokens']} tokens, SmolLM2-135M in bfloat16, {torch.cuda.get_device_name()}")
+    print(f"One GRPO step and one SFT pass on {results['peft']['tokens']} tokens, SmolLM2-135M in bfloat16, {torch.cuda.get_device_name()}")
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows.items()))
     if args.json:
         args.json.write_text(json.dumps({"rows": rows}, indent=1))

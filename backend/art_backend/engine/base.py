@@ -147,4 +147,11 @@ class Engine(Protocol):
         in memory); writes the adapter and optimizer state to `save_to`. Requests wait meanwhile."""
         ...
 
+    async def sft_step(self, model_name: str, batches: list[list[TrainSequence]], learning_rates: list[float],
+                       config: TrainConfig, lora: LoraConfig, resume_from: Path | None,
+                       save_to: Path) -> dict[str, float]:
+        """An SFT step (training/sft.py): one optimizer step per batch, at its learning rate, then the
+        adapter and optimizer state written to `save_to`, as `train_step` does."""
+        ...
+
     async def close(self) -> None: ...

@@ -265,6 +265,20 @@ class TorchEngine:
 
         return await self._on_worker(step)
 
+    async def sft_step(self, model_name: str, batches: list[list[TrainSequence]], learning_rates: list[float],
+                       config: TrainConfig, lora: LoraConfig, resume_from: Path | None,
+                       save_to: Path) -> dict[str, float]:
+        asked = time.perf_counter()
+
+        def step() -> dict[str, float]:
+            waited = time.perf_counter() - asked
+            if self._trainer is None:
+                self._trainer = LoraTrainer(self.model, step_memory=self._step_memory)
+            return {**self._trainer.sft_step(model_name, batches, learning_rates, config, lora, resume_from, save_to),
+                    "wait_seconds": waited}
+
+        return await self._on_worker(step)
+
     async def _on_worker(self, job: Callable[[], Any]) -> Any:
         """Run `job` on the worker thread between decode steps: decoding pauses meanwhile (queued
         requests just wait), and the job's memory comes from the same allocator arena as

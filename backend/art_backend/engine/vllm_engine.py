@@ -392,6 +392,19 @@ class VLLMEngine:
 
         return await self._on_engine_loop(self._paused(step))
 
+    async def sft_step(self, model_name: str, batches: list[list[TrainSequence]], learning_rates: list[float],
+                       config: TrainConfig, lora: LoraConfig, resume_from: Path | None,
+                       save_to: Path) -> dict[str, float]:
+        def step() -> dict[str, float]:
+            try:
+                return self._ensure_trainer().sft_step(model_name, batches, learning_rates, config, lora,
+                                                       resume_from, save_to)
+            finally:
+                if self.on_gpu:
+                    torch.cuda.empty_cache()  # the step's activations go back before vLLM wakes
+
+        return await self._on_engine_loop(self._paused(step))
+
     def _ensure_trainer(self) -> LoraTrainer:
         """The trainer, on its own copy of the base weights (loaded at the first step on CPU)."""
         if self._trainer is None:

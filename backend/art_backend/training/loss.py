@@ -26,6 +26,8 @@ its trajectory), so every trajectory counts the same however long it is:
 
 The trainer passes weights already divided by the whole batch's sum_t w_t, so the loss of each
 micro-batch is its share of the batch loss and the gradients simply accumulate.
+
+SFT steps ("sft") take the token-mean cross-entropy of sft.py instead, through the same trainer.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class LossConfig:
-    kind: Literal["cispo", "ppo"] = "cispo"
+    kind: Literal["cispo", "ppo", "sft"] = "cispo"
     epsilon: float = 1.0  # lower clip: 1 - epsilon (PPO's usual value is 0.2)
     epsilon_high: float = 4.0  # upper clip for CISPO: 1 + epsilon_high
     beta: float = 0.0  # KL coefficient

@@ -13,8 +13,8 @@ from pydantic import AfterValidator, BaseModel, Field, model_validator
 from art_backend.protocol import refuse_lone_surrogates
 from art_backend.training import sync
 from art_backend.training.service import TrainingService
-from art_integrations.training import LoraConfig, TrainConfig
-from art_integrations.trajectory import TrajectoryGroup
+from art_integrations.training import LoraConfig, TrainConfig, TrainSFTConfig
+from art_integrations.trajectory import Trajectory, TrajectoryGroup
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -55,6 +55,12 @@ class TrainBody(_Body):
     groups: list[TrajectoryGroup]
     config: TrainConfig = Field(default_factory=TrainConfig)
     dropped: list[str] = Field(default_factory=list, description="why groups were dropped before training")
+
+
+class TrainSFTBody(_Body):
+    trajectories: list[Trajectory] = Field(min_length=1, description="demonstrations: with the exact token ids of "
+                                           "captured turns, or messages only (rendered with the model's template)")
+    config: TrainSFTConfig = Field(default_factory=TrainSFTConfig)
 
 
 class LogBody(_Body):
@@ -120,6 +126,10 @@ def training_router(service: TrainingService) -> APIRouter:
     @router.post("/models/{project}/{name}/train")
     async def train(project: NameInPath, name: NameInPath, body: TrainBody) -> dict[str, Any]:
         return await service.train(project, name, body.groups, body.config, body.dropped)
+
+    @router.post("/models/{project}/{name}/train_sft")
+    async def train_sft(project: NameInPath, name: NameInPath, body: TrainSFTBody) -> dict[str, Any]:
+        return await service.train_sft(project, name, body.trajectories, body.config)
 
     @router.post("/models/{project}/{name}/log")
     async def log(project: NameInPath, name: NameInPath, body: LogBody) -> dict[str, Any]:

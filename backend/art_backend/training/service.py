@@ -1,4 +1,4 @@
-"""Trained models on disk and in serving: register, train a step, log, prune checkpoints.
+"""Trained models on disk and in serving: register, train a step (GRPO or SFT), log, prune checkpoints.
 
 The files and how each step is made durable are in `checkpoints.py`. Step N is served as
 `<name>@<N>` and the newest as `<name>`; step 0 is the base model. After a restart every
@@ -15,18 +15,21 @@ import shutil
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from art_backend.chat_format import ChatFormatter
 from art_backend.config import default_cache_dir
 from art_backend.durable import write_atomically
 from art_backend.engine.base import Engine, is_base_model
 from art_backend.kill_points import kill_point
 from art_backend.training import sync
 from art_backend.training.checkpoints import DamagedCheckpointError, ModelFiles, checkpoint_problem
+from art_backend.training.sft import Renderer, SFTRequestError, plan_sft
 from art_backend.training.tokenize import TokenizeStats, TrainSequence, tokenize_trajectory
-from art_integrations.training import LoraConfig, TrainConfig
-from art_integrations.trajectory import TrajectoryGroup
+from art_integrations.training import LoraConfig, TrainConfig, TrainSFTConfig
+from art_integrations.trajectory import Trajectory, TrajectoryGroup
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +110,7 @@ class TrainingService:
         self.cache_dir = cache_dir or default_cache_dir()  # llama.cpp's sources and tools, for GGUF exports
         self._models: dict[str, ModelFiles] = {}
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.chat_formatter: ChatFormatter | None = None  # serving's, set by create_app; else the engine's default
 
     # ----- registry ---------------------------------------------------------------------
 
@@ -249,7 +253,6 @@ class TrainingService:
         async with self._locks[name]:
             kill_point("step_started")
             started = time.perf_counter()
-            step = self.get_step(project, name)
             sequences, metrics = self._prepare(groups, config)
             if dropped:
                 metrics["groups/dropped"] = len(dropped)
@@ -258,24 +261,65 @@ class TrainingService:
                 metrics["note"] = ("Nothing trained: every group had equal rewards (no signal) or no model turns; "
                                    "the step advanced with the adapter unchanged. Vary the scenario or the reward so "
                                    "rollouts of a group score differently.")
-                logger.warning("%s/%s step %d: %s", project, name, step + 1, metrics["note"])
-            staging = model.new_staging()
+                logger.warning("%s/%s step %d: %s", project, name, self.get_step(project, name) + 1, metrics["note"])
+
+            async def run(resume_from: Path | None, save_to: Path) -> dict[str, float]:
+                return await self.engine.train_step(name, sequences, config, model.lora, resume_from, save_to)
+
+            return await self._commit_step(model, run, metrics, groups, started, {
+                "trained": bool(sequences), "learning_rate": config.learning_rate,
+                "scale_rewards": config.scale_rewards})
+
+    async def train_sft(self, project: str, name: str, trajectories: list[Trajectory],
+                        config: TrainSFTConfig) -> dict[str, Any]:
+        """One SFT step (sft.py): a checkpoint like a GRPO step's, served as `<name>@<N>`, in the
+        history with its loss and tokens; the trajectories are kept as the step's one group."""
+        model = self.model(project, name, to_train=True)
+        async with self._locks[name]:
+            kill_point("step_started")
+            started = time.perf_counter()
+            settings = TrainConfig()  # clipping, micro-batches and checkpointing as a GRPO step's defaults
+            max_length = min(settings.max_sequence_length, self.engine.max_model_len)
             try:
-                metrics.update(await self.engine.train_step(name, sequences, config, model.lora,
-                                                            model.checkpoint(step), staging))
-                metrics.update({"trained": bool(sequences), "learning_rate": config.learning_rate,
-                                "scale_rewards": config.scale_rewards, "seconds": time.perf_counter() - started})
-                record = {"step": step + 1, "split": "train", "time": time.time(), **metrics}
-                await asyncio.to_thread(model.commit, staging, step + 1, record, groups)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)  # gone already once committed
-            step += 1
-            kill_point("step_committed")
-            await asyncio.to_thread(model.publish, step)
-            kill_point("step_published")
-            for served in (f"{name}@{step}", name):
-                await self.engine.load_adapter(served, model.checkpoint(step))
-            return {"step": step, "metrics": metrics}
+                plan = await asyncio.to_thread(plan_sft, trajectories, config, self._renderer(), max_length,
+                                               len(self.engine.tokenizer))
+            except SFTRequestError as error:
+                raise TrainingRequestError(f"Nothing was trained: {error}") from error
+
+            async def run(resume_from: Path | None, save_to: Path) -> dict[str, float]:
+                return await self.engine.sft_step(name, plan.batches, plan.learning_rates, settings, model.lora,
+                                                  resume_from, save_to)
+
+            groups = [TrajectoryGroup(trajectories=trajectories, metadata={"kind": "sft"})]
+            return await self._commit_step(model, run, plan.metrics, groups, started, {"trained": True})
+
+    def _renderer(self) -> Renderer:
+        """Serving's own formatter (create_app hands it over), so SFT renders as serving prompts."""
+        if self.chat_formatter is None:
+            self.chat_formatter = self.engine.chat_formatter(None, None)
+        return Renderer.of(self.engine, self.chat_formatter)
+
+    async def _commit_step(self, model: ModelFiles, run: Callable[[Path | None, Path], Awaitable[dict[str, float]]],
+                           metrics: dict[str, Any], groups: list[TrajectoryGroup], started: float,
+                           settings: dict[str, Any]) -> dict[str, Any]:
+        """Train the next step (`run` from the newest checkpoint into a staging folder), commit it
+        with its record and groups, publish and serve it as `<name>@<N>` and `<name>`."""
+        step = self.get_step(model.project, model.name)
+        staging = model.new_staging()
+        try:
+            metrics.update(await run(model.checkpoint(step), staging))
+            metrics.update({**settings, "seconds": time.perf_counter() - started})
+            record = {"step": step + 1, "split": "train", "time": time.time(), **metrics}
+            await asyncio.to_thread(model.commit, staging, step + 1, record, groups)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # gone already once committed
+        step += 1
+        kill_point("step_committed")
+        await asyncio.to_thread(model.publish, step)
+        kill_point("step_published")
+        for served in (f"{model.name}@{step}", model.name):
+            await self.engine.load_adapter(served, model.checkpoint(step))
+        return {"step": step, "metrics": metrics}
 
     def _prepare(self, groups: list[TrajectoryGroup], config: TrainConfig) -> tuple[list[TrainSequence], dict[str, Any]]:
         stats = TokenizeStats()

@@ -1,4 +1,4 @@
-"""One GRPO step on a LoRA adapter of a transformers model (peft), CPU or one GPU.
+"""One GRPO step (or SFT step, sft.py) on a LoRA adapter of a transformers model (peft), CPU or one GPU.
 
 One `LoraTrainer` holds every trained model's adapter on the shared base model; each model
 has its own named adapter and AdamW state, kept in memory between steps and in its
@@ -33,6 +33,7 @@ from art_backend.kill_points import kill_point
 from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.loss import LossConfig, LossTerms, policy_loss
 from art_backend.training.packing import PackedBatch, pack, padded_batches
+from art_backend.training.sft import SFT_LOSS, sft_loss
 from art_backend.training.tokenize import TrainSequence
 from art_backend.training.tree_attention import tree_attention_for, tree_layout
 from art_integrations.training import LoraConfig, TrainConfig
@@ -214,11 +215,41 @@ class LoraTrainer:
         else:
             getattr(self.base, "activation_checkpointing_disable", self.base.gradient_checkpointing_disable)()
 
-    def accumulate_gradients(self, sequences: list[TrainSequence], config: TrainConfig) -> dict[str, float]:
-        """The step's loss over `sequences` (each of its parts summed) and its gradients on the
-        active adapter, forward by forward: prefix-tree rows with packing, else padded rows."""
+    def sft_step(self, model_name: str, batches: list[list[TrainSequence]], learning_rates: list[float],
+                 config: TrainConfig, lora: LoraConfig, resume_from: Path | None, save_to: Path) -> dict[str, float]:
+        """An SFT step (sft.py): one optimizer step per batch, batch b at `learning_rates[b]`, then
+        one checkpoint. `config` gives the rest (clipping, micro-batches, checkpointing)."""
+        started = time.perf_counter()
+        key, params = self._adapter(model_name, lora, resume_from)
         assert self.peft is not None
-        losses = loss_config(config)
+        optimizer = self.optimizers[key]
+        optimizer.zero_grad(set_to_none=True)  # a step that failed halfway may have left gradients
+        tokens = [sum(sum(s.assistant_mask) for s in batch) for batch in batches]
+        losses, norms = [], []
+        with reusing_freed_memory(self.step_memory):
+            self.peft.train()
+            self._checkpoint_activations(config.gradient_checkpointing)
+            for batch, rate in zip(batches, learning_rates):
+                for group in optimizer.param_groups:
+                    group["lr"] = rate
+                losses.append(self.accumulate_gradients(batch, config, SFT_LOSS)["loss"])
+                norms.append(float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            self.peft.eval()
+        self._save(key, optimizer, save_to)
+        # each batch's loss is its tokens' mean, before its update: the step's is their token-weighted mean
+        return {"loss": sum(l * n for l, n in zip(losses, tokens)) / max(sum(tokens), 1),
+                "loss/first_batch": losses[0], "loss/last_batch": losses[-1],
+                "grad_norm": sum(norms) / len(norms), "train_seconds": time.perf_counter() - started}
+
+    def accumulate_gradients(self, sequences: list[TrainSequence], config: TrainConfig,
+                             losses: LossConfig | None = None) -> dict[str, float]:
+        """The step's loss over `sequences` (each of its parts summed) and its gradients on the
+        active adapter, forward by forward: prefix-tree rows with packing, else padded rows.
+        `losses`: the loss to take (SFT's), if not the one `config` names."""
+        assert self.peft is not None
+        losses = losses or loss_config(config)
         total_weight = sum(s.weight * sum(s.assistant_mask) for s in sequences)
         sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clipped_fraction": 0.0, "entropy": 0.0}
         batches = (pack(sequences, config.micro_batch_tokens) if self.packing
@@ -331,7 +362,8 @@ class LoraTrainer:
             if reference is not None:
                 with torch.no_grad(), self.peft.disable_adapter():
                     logp_ref = logprobs(reference[chunk], chunk)[1]
-            terms = policy_loss(logp_new, rollout[chunk], advantages[chunk], weights[chunk], losses, logp_ref)
+            terms = (sft_loss(logp_new, weights[chunk]) if losses.kind == "sft" else
+                     policy_loss(logp_new, rollout[chunk], advantages[chunk], weights[chunk], losses, logp_ref))
             terms.loss.backward()
             parts.append(LossTerms(terms.loss.detach(), terms.policy_loss, terms.kl, terms.clipped_fraction))
             with torch.no_grad():
