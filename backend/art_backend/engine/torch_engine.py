@@ -256,11 +256,7 @@ class TorchEngine:
 
         def step() -> dict[str, float]:
             waited = time.perf_counter() - asked
-            if self._trainer is None:
-                from art_backend.training.trainer import LoraTrainer
-
-                self._trainer = LoraTrainer(self.model, step_memory=self._step_memory)
-            return {**self._trainer.step(model_name, sequences, config, lora, resume_from, save_to),
+            return {**self._ensure_trainer().step(model_name, sequences, config, lora, resume_from, save_to),
                     "wait_seconds": waited}
 
         return await self._on_worker(step)
@@ -272,12 +268,18 @@ class TorchEngine:
 
         def step() -> dict[str, float]:
             waited = time.perf_counter() - asked
-            if self._trainer is None:
-                self._trainer = LoraTrainer(self.model, step_memory=self._step_memory)
-            return {**self._trainer.sft_step(model_name, batches, learning_rates, config, lora, resume_from, save_to),
+            return {**self._ensure_trainer().sft_step(model_name, batches, learning_rates, config, lora, resume_from, save_to),
                     "wait_seconds": waited}
 
         return await self._on_worker(step)
+
+    def _ensure_trainer(self) -> LoraTrainer:
+        """The trainer, made at the first step (on the worker thread)."""
+        if self._trainer is None:
+            from art_backend.training.trainer import LoraTrainer
+
+            self._trainer = LoraTrainer(self.model, step_memory=self._step_memory)
+        return self._trainer
 
     async def _on_worker(self, job: Callable[[], Any]) -> Any:
         """Run `job` on the worker thread between decode steps: decoding pauses meanwhile (queued
