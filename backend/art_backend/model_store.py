@@ -14,6 +14,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -72,28 +74,48 @@ def publish_directory(build: Callable[[Path], None], target: Path, marker: str =
 
 
 def embedded_model_dir(cache_dir: Path) -> Path:
-    """SmolLM2-135M-Instruct as a safetensors model directory, converting on first use."""
+    """SmolLM2-135M-Instruct as a safetensors model directory, converting on first use.
+
+    The conversion runs in a short-lived process of its own: transformers' GGUF loader holds the
+    file, its dequantized fp32 tensors and the saved copy at once, and a process never hands back
+    its peak, so done here it would raise the serving process's peak memory for good."""
 
     def convert(out: Path) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        gguf = embedded_gguf_path()
-        logger.info("Converting %s to safetensors under %s (once; about 30 s)", gguf.name, out)
-        tokenizer = _as_released(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name))
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        for config in (model.config, model.generation_config):
-            config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
-            config.pad_token_id = tokenizer.pad_token_id
-        # save_pretrained refuses a model still flagged as GGUF-quantized; the weights are
-        # already dequantized to fp32, so the flag is stale.
-        model.config.quantization_config = None
-        model.hf_quantizer = None
-        model.is_quantized = False
-        model.config.name_or_path = EMBEDDED_MODEL_NAME
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+        logger.info("Converting %s to safetensors under %s (once; about 30 s)", _GGUF_FILE, out)
+        package_root = str(Path(__file__).resolve().parent.parent)  # importable however this process found it
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        done = subprocess.run([sys.executable, "-m", "art_backend.model_store", str(out)],
+                              capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            raise ModelNotFoundError(f"Converting the embedded model ({embedded_gguf_path()}) failed: "
+                                     f"{_last_line(done.stderr)}. Its whole output:\n{done.stderr[-4000:]}")
 
     return publish_directory(convert, cache_dir / "models" / EMBEDDED_MODEL_NAME)
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no output"
+
+
+def _convert_embedded(out: Path) -> None:
+    """The packaged GGUF as a safetensors model directory at `out` (run as this module's main)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf_path()
+    tokenizer = _as_released(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name))
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    for config in (model.config, model.generation_config):
+        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+        config.pad_token_id = tokenizer.pad_token_id
+    # save_pretrained refuses a model still flagged as GGUF-quantized; the weights are
+    # already dequantized to fp32, so the flag is stale.
+    model.config.quantization_config = None
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.config.name_or_path = EMBEDDED_MODEL_NAME
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def _as_released(tokenizer: Any) -> Any:
@@ -196,3 +218,7 @@ def served_names(model: str | None, model_dir: Path) -> list[str]:
     if looks_like_path(model):
         return list(dict.fromkeys([model_dir.name, model]))
     return [model, model.rsplit("/", 1)[-1]]
+
+
+if __name__ == "__main__":
+    _convert_embedded(Path(sys.argv[1]))
