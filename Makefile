@@ -100,12 +100,13 @@ smoke: setup
 docs: setup
 	$(BIN)/python -m mkdocs serve
 
-# `make test`: the venvs and the browser are set up side by side, and the suite in four parts, ordered so
-# that both cores stay busy: the vLLM engine's tests (the longest part: vLLM on CPU pins its model runner
-# to one core and spends much of its time starting processes) start as soon as .venv-vllm is there and run
-# beside the .venv tests (two processes); once those are done, the engine contract tests on the eager
-# path (the fused CPU kernels off) and the capture under the newest openai SDK (test-clients, a light
-# venv of its own against one backend) take their place beside the vLLM part.
+# `make test`: the venvs and the browser are set up side by side (pip spends much of its time unpacking
+# and compiling bytecode on one core), and the suite in three parts: the .venv tests start once .venv,
+# .venv-art and the browser are there (the vLLM venv may still be installing); then the vLLM engine's
+# tests and the engine contract tests on the eager path (the fused CPU kernels off) run side by side:
+# vLLM on CPU pins its model runner to one core and spends much of its time starting processes, which
+# leaves the other core to the eager run. The capture under the newest openai SDK (test-clients, a
+# light venv of its own against one backend) runs as soon as its venv and .venv are there.
 test:
 	$(MAKE) --no-print-directory --jobs=4 --output-sync=line test-vllm test-eager test-clients
 
@@ -117,7 +118,7 @@ test-quick: setup
 test-main: setup setup-art browser
 	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -m "not vllm" -n $(TEST_WORKERS) --dist worksteal
 
-test-vllm: setup-vllm
+test-vllm: setup-vllm test-main
 	@# the vLLM tests skip where vllm does not import: here it must, or the run would pass having tested nothing
 	$(VLLM_BIN)/python -c "import vllm"
 	$(VLLM_BIN)/python -m pytest -m vllm $(VLLM_TESTS)
@@ -212,7 +213,7 @@ $(CLIENTS_BIN)/.installed: pyproject.toml Makefile | $(UV)
 
 setup-clients: $(CLIENTS_BIN)/.installed
 
-test-clients: setup setup-clients test-main
+test-clients: setup setup-clients
 	ART_CLIENTS_BACKEND_PYTHON=$(CLIENTS_BACKEND_PYTHON) OMP_NUM_THREADS=$(TEST_THREADS) \
 		$(CLIENTS_BIN)/python -m pytest -p no:cacheprovider -c tests/clients/pytest.ini tests/clients
 .PHONY: setup-clients test-clients
