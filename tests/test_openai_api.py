@@ -120,6 +120,21 @@ def test_n_samples_come_back_as_separate_choices(client: openai.OpenAI) -> None:
     assert len({tuple(c.model_extra["token_ids"]) for c in response.choices}) > 1
 
 
+def test_n_greedy_samples_are_copies_or_a_400_that_says_why(client: openai.OpenAI, engine: Engine) -> None:
+    """Greedy, n > 1: the torch engine gives n copies of the one greedy answer; vLLM refuses it (its own
+    rule), and the refusal is the client's error with the way forward, not a 500."""
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "Pick an animal."}], n=2, max_tokens=6,
+                   temperature=0, extra_body=TOKEN_IDS)
+    if isinstance(engine, TorchEngine):
+        response = client.chat.completions.create(**request)
+        assert len({tuple(c.model_extra["token_ids"]) for c in response.choices}) == 1
+        assert len(response.choices) == 2
+        return
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**request)
+    assert "temperature above 0" in str(refused.value)
+
+
 async def test_async_streaming_carries_token_ids_and_usage(async_client: openai.AsyncOpenAI, engine: Engine) -> None:
     stream = await async_client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Write one sentence about the sea."}],

@@ -76,6 +76,7 @@ def import_vllm() -> Any:
     """vLLM, or an error that says how to install it."""
     try:
         import vllm
+        import vllm.exceptions  # its request errors, which _sampling_params answers with a 400
     except ImportError as error:
         raise VLLMNotInstalledError(
             f"The vLLM engine needs vLLM ({error}). On a GPU: pip install 'art-backend[vllm]'. On a CPU: "
@@ -356,8 +357,9 @@ class VLLMEngine:
                 logprobs=params.top_logprobs if params.logprobs or params.top_logprobs else None,
                 structured_outputs=grammar,
                 output_kind=vllm.sampling_params.RequestOutputKind.DELTA)
-        except ValueError as error:
-            raise InvalidSamplingError(str(error)) from error
+        except (ValueError, vllm.exceptions.VLLMClientError) as error:  # its own server answers these with a 400
+            hint = " (vLLM draws several samples only at a temperature above 0)" if "greedy" in str(error) else ""
+            raise InvalidSamplingError(f"{error}{hint}") from error
 
     @staticmethod
     def _delta(output: Any, top_logprobs: int, grammar: bool) -> SequenceDelta:
