@@ -215,7 +215,7 @@ async def marked_rollout(marks: Path, seconds: float) -> Trajectory:
     return Trajectory(reward=1.0, metadata=where())
 
 
-async def started(marks: Path, count: int, timeout: float = 60) -> list[Path]:
+async def started(marks: Path, count: int, timeout: float = 240) -> list[Path]:
     deadline = time.monotonic() + timeout
     while len(found := sorted(marks.iterdir())) < count:
         assert time.monotonic() < deadline, f"{count} rollouts did not start within {timeout} s"
@@ -231,7 +231,7 @@ async def test_a_worker_killed_mid_rollout_is_retried_or_counted_as_failed(clust
         runner=RayRollouts(address=cluster.address, max_retries=1), progress=False))
     (first,) = await started(retried, 1)
     os.kill(int(first.name), signal.SIGKILL)
-    (group,) = await asyncio.wait_for(gather, 60)
+    (group,) = await asyncio.wait_for(gather, 240)
     assert len(group.trajectories) == 1 and not group.exceptions
     assert {p.name for p in retried.iterdir()} == {first.name, str(group.trajectories[0].metadata["pid"])}
 
@@ -240,7 +240,7 @@ async def test_a_worker_killed_mid_rollout_is_retried_or_counted_as_failed(clust
         runner=RayRollouts(address=cluster.address, max_retries=0), max_exceptions=1, progress=False))
     (killed,) = await started(counted, 1)
     os.kill(int(killed.name), signal.SIGKILL)
-    lost, kept = await asyncio.wait_for(gather, 60)
+    lost, kept = await asyncio.wait_for(gather, 240)
     assert not lost.trajectories and len(kept.trajectories) == 1
     (trace,) = lost.exceptions
     assert "RolloutWorkerLost: the Ray worker running this rollout died (WorkerCrashedError)" in trace
@@ -344,7 +344,7 @@ def test_a_scripts_main_rollouts_run_on_the_cluster_and_ctrl_c_cancels_them(clus
     process = subprocess.Popen([sys.executable, str(script), cluster.address, backend_server.base_url, API_KEY,
                                 str(tmp_path)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # a bound, not a target: a loaded 2-core machine took over 120 s
         while len(list((tmp_path / "marks").iterdir())) < 2:
             assert process.poll() is None, process.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "the script's second gather did not start two rollouts"
