@@ -72,6 +72,13 @@ class VLLMNotInstalledError(RuntimeError):
     pass
 
 
+def _refused(error: Exception) -> InvalidSamplingError:
+    """A request vLLM refused (its ValueError or VLLMClientError) as the client's error, with the way forward
+    where vLLM's own message gives none."""
+    hint = " (vLLM draws several samples only at a temperature above 0)" if "greedy" in str(error) else ""
+    return InvalidSamplingError(f"{error}{hint}")
+
+
 def import_vllm() -> Any:
     """vLLM, or an error that says how to install it."""
     try:
@@ -324,8 +331,8 @@ class VLLMEngine:
                     send([self._delta(o, params.top_logprobs, params.grammar is not None) for o in output.outputs])
             except asyncio.CancelledError:  # the caller went away: vLLM aborts the request
                 raise
-            except ValueError as error:  # vLLM refused the request's input, as its own server says with a 400
-                send(InvalidSamplingError(str(error)))
+            except (ValueError, self._vllm.exceptions.VLLMClientError) as error:  # as its own server, a 400
+                send(_refused(error))
             except BaseException as error:  # noqa: BLE001 - handed to the caller, who raises it
                 send(error)
             else:
@@ -358,8 +365,7 @@ class VLLMEngine:
                 structured_outputs=grammar,
                 output_kind=vllm.sampling_params.RequestOutputKind.DELTA)
         except (ValueError, vllm.exceptions.VLLMClientError) as error:  # its own server answers these with a 400
-            hint = " (vLLM draws several samples only at a temperature above 0)" if "greedy" in str(error) else ""
-            raise InvalidSamplingError(f"{error}{hint}") from error
+            raise _refused(error) from error
 
     @staticmethod
     def _delta(output: Any, top_logprobs: int, grammar: bool) -> SequenceDelta:
