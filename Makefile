@@ -15,7 +15,8 @@ TORCH_VERSION ?= 2.13.0
 TEST_WORKERS ?= 2
 TEST_THREADS ?= $(shell n=$$(nproc); echo $$(( n / $(TEST_WORKERS) > 0 ? n / $(TEST_WORKERS) : 1 )))
 # The engine contract tests: each runs on the torch engine (in .venv) and on the vLLM engine (in .venv-vllm).
-ENGINE_TESTS := tests/test_openai_api.py tests/test_engines.py tests/test_training_backend.py tests/test_grpo_learns.py \
+# The longest first: the vLLM part runs them in two workers, and GRPO's proof on vLLM is a third of its time.
+ENGINE_TESTS := tests/test_grpo_learns.py tests/test_openai_api.py tests/test_engines.py tests/test_training_backend.py \
 	tests/test_chat_families.py
 # Tests whose vLLM part (-m vllm) runs in .venv-vllm beside the engine contract tests
 VLLM_TESTS := $(ENGINE_TESTS) tests/test_gpu_kit.py tests/test_export.py tests/test_sft.py
@@ -103,9 +104,9 @@ docs: setup
 # `make test`: the venvs and the browser are set up side by side (pip spends much of its time unpacking
 # and compiling bytecode on one core), and the suite in three parts: the .venv tests start once .venv,
 # .venv-art and the browser are there (the vLLM venv may still be installing); then the vLLM engine's
-# tests and the engine contract tests on the eager path (the fused CPU kernels off) run side by side:
-# vLLM on CPU pins its model runner to one core and spends much of its time starting processes, which
-# leaves the other core to the eager run. The capture under the newest openai SDK (test-clients, a
+# tests (two workers, each with its engines bound to a core of its own) and the engine contract tests on
+# the eager path (the fused CPU kernels off) run side by side: vLLM spends much of its time starting
+# processes and waiting on them, which leaves room for the eager run. The capture under the newest openai SDK (test-clients, a
 # light venv of its own against one backend) runs as soon as its venv and .venv are there.
 test:
 	$(MAKE) --no-print-directory --jobs=4 --output-sync=line test-vllm test-eager test-clients
@@ -121,7 +122,7 @@ test-main: setup setup-art browser
 test-vllm: setup-vllm test-main
 	@# the vLLM tests skip where vllm does not import: here it must, or the run would pass having tested nothing
 	$(VLLM_BIN)/python -c "import vllm"
-	$(VLLM_BIN)/python -m pytest -m vllm $(VLLM_TESTS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(VLLM_BIN)/python -m pytest -m vllm -n $(TEST_WORKERS) --dist loadgroup $(VLLM_TESTS)
 
 # the engine contract tests once more with ART_BACKEND_CPU_KERNELS=false: the path every machine the
 # kernels cannot be built on takes, at the same tolerances

@@ -30,6 +30,16 @@ from art_backend.model_store import tiny_model_dir as _tiny_model_dir
 from art_backend.server import create_app
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """vLLM on CPU binds its model runner to the cores VLLM_CPU_OMP_THREADS_BIND names; left at
+    "auto" it takes core 0 in every process, so two pytest-xdist workers' engines would share one
+    core and leave the other idle. Each worker's engines get a core of their own instead."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...
+    if worker and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and hasattr(os, "sched_getaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker.removeprefix("gw")) % len(cores)])
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _ctrl_c_reaches_child_processes() -> None:
     """A shell without job control starts a background command (`make test &` in a script) with
