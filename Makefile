@@ -194,7 +194,7 @@ clean:
 
 # The capture under today's newest client stack (docs/integrations/openai-compatible.md): a light venv
 # with the client package only (no torch) and the newest openai (3.x, which sends through httpx2),
-# httpx2, aiohttp, requests, smolagents, LiteLLM, langchain-openai and the Agents SDK, whose tests (tests/clients/)
+# httpx2, aiohttp, requests, smolagents, LiteLLM, DSPy, langchain-openai, the Agents SDK and PydanticAI, whose tests (tests/clients/)
 # run against one `art-backend serve` on the tiny model, started from .venv (CLIENTS_BACKEND_PYTHON).
 # `make test` can run it beside its other parts: it needs .venv (the backend) and its own venv.
 CLIENTS_VENV ?= .venv-clients
@@ -204,9 +204,9 @@ CLIENTS_BACKEND_PYTHON ?= $(abspath $(BIN)/python)
 $(CLIENTS_BIN)/.installed: pyproject.toml Makefile | $(UV)
 	$(PYTHON) -m venv $(CLIENTS_VENV)
 	$(call uv_install,$(CLIENTS_VENV),-e . "openai>=3" httpx2 aiohttp requests pytest pytest-asyncio)
-	@# smolagents, LiteLLM (CrewAI's and DSPy's way to a model), langchain-openai and openai-agents are tried
-	@# one by one, each held to openai 3.x: the capture's tests skip the test of one that does not install beside it
-	for package in smolagents litellm langchain-openai openai-agents; do \
+	@# smolagents, LiteLLM (CrewAI's and DSPy's way to a model), DSPy, langchain-openai, openai-agents and PydanticAI
+	@# are tried one by one, each held to openai 3.x: the capture's tests skip the test of one that does not install
+	for package in smolagents litellm dspy langchain-openai openai-agents "pydantic-ai-slim[openai]"; do \
 		$(call uv_install,$(CLIENTS_VENV),$$package "openai>=3") || \
 			echo "$$package did not install beside openai 3.x: its test is skipped"; \
 	done
