@@ -58,6 +58,7 @@ class ModelCall:
     api_key: str | None = None
     choice: Choice | None = None  # set directly when the integration saw the tokens itself
     via_transport: bool = False  # seen where an HTTP client sent it (transports/)
+    teacher: bool = False  # another server's reply (art_capture(teacher=True)): a message, no tokens
 
 
 LATE_CALL = ("a model call finished after its art_capture() had exited (a task started inside the capture and "
@@ -77,8 +78,9 @@ NO_CALLS = ("art_capture() recorded no model call, so the trajectory is empty. L
 
 
 class CaptureScope:
-    def __init__(self, trajectory: Trajectory) -> None:
+    def __init__(self, trajectory: Trajectory, teacher: bool = False) -> None:
         self.trajectory = trajectory
+        self.teacher = teacher  # replies of servers that are not backends are recorded too, as messages
         self.calls: list[ModelCall] = []
         self.placeholders: list[tuple[list[Any], int, ModelCall]] = []  # replies waiting for their tokens
         # (model, fix) -> how many calls an integration saw in this capture but could not record
@@ -241,7 +243,7 @@ def _apply_record(scope: CaptureScope, call: ModelCall, records: dict[str, Any])
 
 def _missing_ids(scope: CaptureScope) -> None:
     for call in scope.calls:
-        if call.choice is None and call.record_id is None:
+        if call.choice is None and call.record_id is None and not call.teacher:
             scope.error(f"a call to {call.endpoint} returned no token record: point the chat model at an "
                         "art-backend and send extra_body={'return_token_ids': True}")
 
@@ -333,7 +335,7 @@ def _history(conversation: list[ModelCall]) -> tuple[History, list[tuple[int, Mo
     seen = 0
     for call in conversation:
         items += call.messages[seen:]
-        if call.choice is None:
+        if call.choice is None and not call.teacher:
             waiting.append((len(items), call))
         items.append(call.choice if call.choice is not None else call.response)
         seen = len(call.messages) + 1  # its messages and the reply it produced
@@ -399,12 +401,19 @@ class art_capture:  # noqa: N801 - used like a function: `with art_capture() as 
     innermost one. An exception inside propagates; the partial trajectory stays available.
     A call that finishes after the capture exited (a task not awaited inside), and a capture
     that records nothing, are warned and counted in `metrics["capture_errors"]`.
+
+    `teacher=True` records the calls to OpenAI-compatible servers that are not an art-backend as
+    well (a stronger model whose runs become `train_sft` data), as plain messages without token
+    ids; off by default, so that a judge or a helper model stays out of the trajectory.
     """
 
-    def __init__(self, trajectory: Trajectory | None = None, **metadata: Any) -> None:
+    def __init__(self, trajectory: Trajectory | None = None, *, teacher: bool = False, **metadata: Any) -> None:
+        if not isinstance(teacher, bool):
+            raise TypeError(f"art_capture(teacher={teacher!r}): True or False (record calls to servers that are "
+                            "not an art-backend as messages without tokens)")
         self.trajectory = trajectory if trajectory is not None else Trajectory()
         self.trajectory.metadata.update(metadata)
-        self.scope = CaptureScope(self.trajectory)
+        self.scope = CaptureScope(self.trajectory, teacher=teacher)
         self._token: Token[CaptureScope | None] | None = None
 
     def __enter__(self) -> Trajectory:
@@ -446,7 +455,7 @@ class art_capture:  # noqa: N801 - used like a function: `with art_capture() as 
     def _fetch_now(self) -> bool:
         """Whether this exit must fetch missing tokens itself: not when none is missing, nor
         under a `deferred_token_fetch`, whose pending list the scope then joins."""
-        if all(call.choice is not None for call in self.scope.calls):
+        if all(call.choice is not None or call.teacher for call in self.scope.calls):
             return False
         pending = _deferred.get()
         if pending is None:

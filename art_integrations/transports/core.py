@@ -61,6 +61,7 @@ class Exchange:
     api_key: str | None
     ask_tokens: bool  # the request goes out with TOKEN_LOGPROBS_HEADER (a known backend)
     sent: Callable[[], Any]  # the request's JSON body, read only when the reply is recorded
+    from_backend: bool = False  # the reply carried BACKEND_HEADER (else a teacher's, under teacher=True)
 
     @property
     def endpoint(self) -> str:
@@ -68,11 +69,13 @@ class Exchange:
         return self.url.rstrip("/").removesuffix(self.kind)
 
     def answered(self, status: int, backend_header: bool) -> bool:
-        """Whether the reply is to be recorded: a backend's generated answer. An error (the rollout
-        sees it raised) or another server's answer is not; a 200 teaches which servers are backends."""
+        """Whether the reply is to be recorded: a backend's generated answer, or under
+        `art_capture(teacher=True)` any server's. An error (the rollout sees it raised) is not; a 200
+        teaches which servers are backends."""
         if status == 200:
             _backends[self.origin] = backend_header
-        return status == 200 and backend_header
+        self.from_backend = backend_header
+        return status == 200 and (backend_header or self.scope.teacher)
 
     def record(self, body: bytes, content_type: str) -> None:
         """Read the whole reply `body` into the capture: each call, or the error saying why not."""
@@ -87,7 +90,10 @@ class Exchange:
                              "read the whole stream inside the capture")
             return
         for call in calls:
-            if call.record_id is None:  # an integration that records the call says so too: named if nothing else is
+            if not self.from_backend:  # a teacher's reply: its message; any token ids in it are not the policy's
+                call.teacher, call.record_id, call.choice = True, None, None
+                self.scope.add(call)
+            elif call.record_id is None:  # an integration that records the call says so too: named if nothing else is
                 self.scope.note_unrecorded(f"{call.endpoint} without token ids",
                                            "leave return_token_ids on (the backend's default) rather than sending "
                                            "false")

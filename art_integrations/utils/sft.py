@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from art_integrations.training import TrainSFTConfig
-from art_integrations.trajectory import Trajectory
+from art_integrations.trajectory import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from art_integrations.model import TrainableModel, TrainResult
@@ -283,3 +283,21 @@ async def train_sft_from_file(model: TrainableModel, file_path: str, epochs: int
               f"schedule up to {peak_lr}")
     config = TrainSFTConfig(learning_rate=rates, batch_size=batch_size, assistant_turns=assistant_turns)
     return await model.train_sft(chosen, config, _config=_config, verbose=verbose, log_metrics=log_metrics)
+
+
+def best_of_groups(groups: Iterable[TrajectoryGroup], min_reward: float | None = None) -> list[Trajectory]:
+    """Rejection sampling's fine-tuning data, `await model.train_sft(best_of_groups(groups))`: each
+    scored group's best trajectory (the first of equals). Without `min_reward`, a group whose
+    trajectories all scored alike has none better than the rest and gives none; with it, a group
+    gives its best exactly when that reaches `min_reward` (so a group where every rollout failed
+    gives none, and one where all succeeded gives one)."""
+    best: list[Trajectory] = []
+    for group in groups:
+        if not isinstance(group, TrajectoryGroup):
+            raise TypeError(f"best_of_groups takes TrajectoryGroup objects, not {type(group).__name__}: "
+                            "pass the scored groups, e.g. from gather_trajectory_groups")
+        rewards = [trajectory.reward for trajectory in group.trajectories]
+        if not rewards or (max(rewards) == min(rewards) if min_reward is None else max(rewards) < min_reward):
+            continue
+        best.append(group.trajectories[rewards.index(max(rewards))])
+    return best
