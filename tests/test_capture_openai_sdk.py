@@ -78,6 +78,34 @@ async def test_every_sdk_call_is_recorded_with_its_exact_tokens(url: str, no_tok
     assert trajectory.additional_histories[1].messages()[0] == {"role": "system", "content": "Be brief."}
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_each_of_n_chat_samples_is_a_history_with_its_own_tokens(url: str, stream: bool,
+                                                                       no_token_fetch: None) -> None:
+    """n=3: three samples of one prompt, each recorded (not only the first) as a history of its own;
+    the agent going on from one of them continues that one's history."""
+    client = openai.AsyncOpenAI(base_url=url, api_key="unused")
+    async with art_capture() as trajectory:
+        reply = await client.chat.completions.create(model=MODEL, messages=HI, max_tokens=5, n=3, temperature=1.0,
+                                                     seed=1, stream=stream)
+        if stream:
+            tokens: dict[int, list[int]] = {}
+            texts: dict[int, str] = {}
+            async for chunk in reply:
+                for choice in chunk.choices:
+                    tokens.setdefault(choice.index, []).extend(choice.model_extra.get("token_ids") or [])
+                    texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        else:
+            tokens = {c.index: c.model_extra["token_ids"] for c in reply.choices}
+            texts = {c.index: c.message.content or "" for c in reply.choices}
+        await client.chat.completions.create(model=MODEL, max_tokens=5, messages=[
+            *HI, {"role": "assistant", "content": texts[2]}, {"role": "user", "content": "and?"}])
+    assert trajectory.metrics == {"model_calls": 4} and not trajectory.logs, trajectory.logs
+    exact(trajectory)
+    histories = trajectory.histories()
+    assert [h.choices()[0].token_ids for h in histories] == [tokens[0], tokens[1], tokens[2]]
+    assert [len(h.choices()) for h in histories] == [1, 1, 2]  # the third sample, continued
+
+
 async def test_a_responses_conversation_is_one_history(url: str) -> None:
     client = openai.AsyncOpenAI(base_url=url, api_key="unused")
     conversation: list[Any] = [{"role": "user", "content": "look it up"}]

@@ -1,7 +1,8 @@
 """A generation request and its reply, read into the `ModelCall`s a trajectory is made of, the same
 whichever HTTP client carried them.
 
-A chat completion is recorded as the conversation it was; a Responses call as its items turned
+A chat completion is recorded as the conversation it was (each of its choices, when it asked for
+n > 1, a history of its own); a Responses call as its items turned
 into chat messages; a text completion (`/v1/completions`) as a single-turn history, the prompt a
 user message, each choice a call of its own. Each comes with its exact tokens and logprobs where
 the reply carries them all (a backend asked with the token-logprobs header); otherwise with its
@@ -37,14 +38,17 @@ def calls_from_reply(kind: str, sent: dict[str, Any], body: bytes, event_stream:
         return None if call is None else [call]
     if kind == COMPLETIONS:
         return _completion_calls(sent, body, event_stream, endpoint, api_key)
-    choice = _streamed_choice(events(body)) if event_stream else _whole_choice(json.loads(body))
-    if choice is None:
+    choices = _streamed_choices(events(body)) if event_stream else _whole_choices(json.loads(body))
+    if choices is None:
         return None
-    message = {key: value for key, value in choice["message"].items() if key != "id" and value is not None}
-    call = ModelCall(endpoint=endpoint, api_key=api_key, record_id=choice["message"].get("id"),
-                     messages=sent["messages"], response=message, finish_reason=choice.get("finish_reason"),
-                     tools=sent.get("tools"), via_transport=True)
-    return [with_tokens(call, choice)]
+    calls = []
+    for index, choice in sorted(choices.items()):  # n > 1: each sample a call of its own, so a history of its own
+        message = {key: value for key, value in choice["message"].items() if key != "id" and value is not None}
+        call = ModelCall(endpoint=endpoint, api_key=api_key, record_id=choice["message"].get("id"),
+                         messages=sent["messages"], response=message, finish_reason=choice.get("finish_reason"),
+                         tools=sent.get("tools"), via_transport=True, metadata={"choice": index} if index else {})
+        calls.append(with_tokens(call, choice))
+    return calls
 
 
 def with_tokens(call: ModelCall, reply: dict[str, Any]) -> ModelCall:
@@ -76,37 +80,47 @@ def _responses_call(sent: dict[str, Any], body: bytes, event_stream: bool, endpo
     return with_tokens(call, answer)
 
 
-def _whole_choice(completion: dict[str, Any]) -> dict[str, Any]:
-    return {"prompt_token_ids": completion.get("prompt_token_ids"), **completion["choices"][0]}
+def _whole_choices(completion: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {choice.get("index", i): {"prompt_token_ids": completion.get("prompt_token_ids"), **choice}
+            for i, choice in enumerate(completion["choices"])}
 
 
-def _streamed_choice(chunks: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The first choice of a streamed chat completion, whole, as a non-streamed one has it."""
+def _streamed_choices(chunks: list[dict[str, Any]]) -> dict[int, dict[str, Any]] | None:
+    """Each choice of a streamed chat completion, whole, as a non-streamed one has it; None if one
+    did not finish (the stream was cut short)."""
+    prompt_ids = None
+    parts: dict[int, list[dict[str, Any]]] = {}
+    for chunk in chunks:
+        prompt_ids = chunk.get("prompt_token_ids", prompt_ids)
+        for choice in chunk.get("choices") or []:
+            parts.setdefault(choice.get("index", 0), []).append(choice)
+    choices = {index: _joined(deltas, prompt_ids) for index, deltas in parts.items()}
+    if not choices or any(choice["finish_reason"] is None for choice in choices.values()):
+        return None
+    return choices
+
+
+def _joined(deltas: list[dict[str, Any]], prompt_ids: list[int] | None) -> dict[str, Any]:
+    """One choice's stream deltas, joined into its message, finish reason and tokens."""
     message: dict[str, Any] = {"role": "assistant", "content": ""}
     calls: dict[int, dict[str, Any]] = {}
     finish = None
-    tokens: dict[str, Any] = {"prompt_token_ids": None, "token_ids": [], "token_logprobs": []}
-    for chunk in chunks:
-        tokens["prompt_token_ids"] = chunk.get("prompt_token_ids", tokens["prompt_token_ids"])
-        for choice in chunk.get("choices") or []:
-            if choice.get("index", 0) != 0:
-                continue
-            tokens["token_ids"] += choice.get("token_ids") or []
-            tokens["token_logprobs"] += choice.get("token_logprobs") or []
-            delta = choice.get("delta") or {}
-            message["content"] += delta.get("content") or ""
-            if delta.get("id"):
-                message["id"] = delta["id"]
-            for call in delta.get("tool_calls") or []:
-                whole = calls.setdefault(call.get("index", len(calls)), {"id": None, "type": "function",
-                                                                          "function": {"name": "", "arguments": ""}})
-                whole["id"] = call.get("id") or whole["id"]
-                function = call.get("function") or {}
-                whole["function"]["name"] += function.get("name") or ""
-                whole["function"]["arguments"] += function.get("arguments") or ""
-            finish = choice.get("finish_reason") or finish
-    if finish is None:
-        return None
+    tokens: dict[str, Any] = {"prompt_token_ids": prompt_ids, "token_ids": [], "token_logprobs": []}
+    for choice in deltas:
+        tokens["token_ids"] += choice.get("token_ids") or []
+        tokens["token_logprobs"] += choice.get("token_logprobs") or []
+        delta = choice.get("delta") or {}
+        message["content"] += delta.get("content") or ""
+        if delta.get("id"):
+            message["id"] = delta["id"]
+        for call in delta.get("tool_calls") or []:
+            whole = calls.setdefault(call.get("index", len(calls)), {"id": None, "type": "function",
+                                                                      "function": {"name": "", "arguments": ""}})
+            whole["id"] = call.get("id") or whole["id"]
+            function = call.get("function") or {}
+            whole["function"]["name"] += function.get("name") or ""
+            whole["function"]["arguments"] += function.get("arguments") or ""
+        finish = choice.get("finish_reason") or finish
     if calls:
         message["tool_calls"] = [calls[index] for index in sorted(calls)]
     if len(tokens["token_logprobs"]) != len(tokens["token_ids"]):
