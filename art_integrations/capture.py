@@ -60,6 +60,11 @@ class ModelCall:
     via_transport: bool = False  # seen where an HTTP client sent it (transports/)
     teacher: bool = False  # another server's reply (art_capture(teacher=True)): a message, no tokens
 
+    @property
+    def waits_for_tokens(self) -> bool:
+        """No exact tokens yet, and some to come (a teacher's reply has none)."""
+        return self.choice is None and not self.teacher
+
 
 LATE_CALL = ("a model call finished after its art_capture() had exited (a task started inside the capture and "
              "awaited outside it?), so it is not in the trajectory: await every task the rollout starts before "
@@ -243,7 +248,7 @@ def _apply_record(scope: CaptureScope, call: ModelCall, records: dict[str, Any])
 
 def _missing_ids(scope: CaptureScope) -> None:
     for call in scope.calls:
-        if call.choice is None and call.record_id is None and not call.teacher:
+        if call.waits_for_tokens and call.record_id is None:
             scope.error(f"a call to {call.endpoint} returned no token record: point the chat model at an "
                         "art-backend and send extra_body={'return_token_ids': True}")
 
@@ -335,7 +340,7 @@ def _history(conversation: list[ModelCall]) -> tuple[History, list[tuple[int, Mo
     seen = 0
     for call in conversation:
         items += call.messages[seen:]
-        if call.choice is None and not call.teacher:
+        if call.waits_for_tokens:
             waiting.append((len(items), call))
         items.append(call.choice if call.choice is not None else call.response)
         seen = len(call.messages) + 1  # its messages and the reply it produced
@@ -455,7 +460,7 @@ class art_capture:  # noqa: N801 - used like a function: `with art_capture() as 
     def _fetch_now(self) -> bool:
         """Whether this exit must fetch missing tokens itself: not when none is missing, nor
         under a `deferred_token_fetch`, whose pending list the scope then joins."""
-        if all(call.choice is not None or call.teacher for call in self.scope.calls):
+        if not any(call.waits_for_tokens for call in self.scope.calls):
             return False
         pending = _deferred.get()
         if pending is None:
