@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Literal
 
 import agents
-import pydantic_ai
 import pytest
 from agents import ModelSettings, Runner, function_tool, set_tracing_disabled
-from pydantic_ai import RunContext
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
-from art_integrations import LocalBackend, TrainableModel, Trajectory, TrajectoryGroup, art_capture
+from art_integrations import (
+    LocalBackend,
+    TrainableModel,
+    Trajectory,
+    TrajectoryGroup,
+    art_capture,
+)
 from art_integrations.gather import gather_trajectory_groups
 from art_integrations.training import TrainConfig
+from tests.clients.framework_agents import pydantic_ai_triage
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -84,15 +88,7 @@ async def test_pydantic_ai_with_a_sub_agent(backend: LocalBackend) -> None:
     await model.register(backend)
     policy = OpenAIChatModel(model.inference_name, provider=OpenAIProvider(base_url=f"{backend.base_url}/v1",
                                                                           api_key="unused"))
-    researcher = pydantic_ai.Agent(policy, instructions="Say what time it is.", model_settings={"max_tokens": 8})
-
-    async def research(ctx: RunContext[None], topic: Literal["time", "date"]) -> str:
-        """Ask the researcher about the topic."""
-        return (await researcher.run(f"What is the {topic}?", usage=ctx.usage)).output
-
-    # an output function: the agent's answer is the researcher's, which it must ask (its one way to answer)
-    triage = pydantic_ai.Agent(policy, instructions="Ask the researcher.", output_type=[research],
-                               model_settings={"max_tokens": 40})
+    triage = pydantic_ai_triage(policy)  # its one way to answer: ask the researcher
 
     async def rollout(reward: float) -> Trajectory:
         async with art_capture() as trajectory:

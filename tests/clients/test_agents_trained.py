@@ -2,10 +2,9 @@
 pointed at `art-backend serve`: a bare `requests` tool loop, a DSPy `ReAct` program (DSPy calls models
 through LiteLLM) and a PydanticAI agent with a sub-agent, each captured with the exact tokens the
 backend produced, grouped, scored and trained one step. The tiny model's words are noise, so each
-rollout's reward is the test's (0 or 1): what is checked is that the calls reach training.
+rollout's reward is the test's (0 or 1): what is checked is that the calls reach training."""
 
-No `from __future__ import annotations`: PydanticAI reads a tool's annotations at definition, and the
-test's imports of it are local (it may not have installed here)."""
+from __future__ import annotations
 
 import asyncio
 import importlib.util
@@ -16,7 +15,13 @@ from typing import Any
 import pytest
 import requests
 
-from art_integrations import RemoteBackend, TrainableModel, Trajectory, TrajectoryGroup, art_capture
+from art_integrations import (
+    RemoteBackend,
+    TrainableModel,
+    Trajectory,
+    TrajectoryGroup,
+    art_capture,
+)
 from art_integrations.gather import gather_trajectory_groups
 from art_integrations.training import TrainConfig
 
@@ -132,24 +137,14 @@ async def test_dspy_on_its_own_transport_is_not_seen_and_the_warning_names_the_f
 async def test_a_pydantic_ai_agent_with_a_sub_agent_is_captured_grouped_and_trained(backend_url: str) -> None:
     """PydanticAI on openai 3.x: the triage agent's one way to answer is an output function that asks a
     researcher agent, so each rollout is the triage's call and, in a history of its own, the researcher's."""
-    from typing import Literal
-
-    import pydantic_ai
-    from pydantic_ai import RunContext
+    from framework_agents import pydantic_ai_triage
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
     model = await registered(backend_url, "pydantic-ai-3")
     policy = OpenAIChatModel(model.inference_name,
                              provider=OpenAIProvider(base_url=f"{backend_url}/v1", api_key="unused"))
-    researcher = pydantic_ai.Agent(policy, instructions="Say what time it is.", model_settings={"max_tokens": 8})
-
-    async def research(ctx: RunContext[None], topic: Literal["time", "date"]) -> str:
-        """Ask the researcher about the topic."""
-        return (await researcher.run(f"What is the {topic}?", usage=ctx.usage)).output
-
-    triage = pydantic_ai.Agent(policy, instructions="Ask the researcher.", output_type=[research],
-                               model_settings={"max_tokens": 40})
+    triage = pydantic_ai_triage(policy)
     trajectories = await captured_grouped_and_trained(model, lambda: triage.run("What time is it?"))
     for trajectory in trajectories:
         assert [len(history.choices()) for history in trajectory.histories()] == [1, 1]
