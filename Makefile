@@ -25,7 +25,7 @@ QUICK_TESTS := tests/test_training_units.py tests/test_tree_attention.py tests/t
 	tests/test_client_settings.py tests/test_capture_openai_sdk.py tests/test_capture_warnings.py \
 	tests/test_hostile_input.py tests/test_art_config.py tests/test_load.py tests/test_openai_api.py tests/test_ruler.py
 
-.PHONY: setup setup-vllm setup-art browser run smoke docs test bench-serving bench-llamacpp bench-load bench-vllm-serving bench-lora-serving bench-decode-step bench-training bench-capture bench-rollouts bench-learning bench-export llama-cpp gpu-bundle clean test-main test-vllm test-eager test-quick
+.PHONY: setup setup-vllm setup-art browser run smoke docs test bench-serving bench-llamacpp bench-load bench-vllm-serving bench-vllm-lora bench-lora-serving bench-decode-step bench-training bench-capture bench-rollouts bench-learning bench-export llama-cpp gpu-bundle clean test-main test-vllm test-eager test-quick
 
 # uv installs the packages: it downloads and unpacks in parallel where pip takes one package at a time
 # on one core (.venv's packages: ~20 s against ~5 min, the same versions). It comes from PyPI in a
@@ -154,6 +154,10 @@ bench-load: setup
 # Our vLLM engine against vLLM's own server (same engine arguments) and our torch engine
 bench-vllm-serving: setup-vllm
 	$(VLLM_BIN)/python benchmarks/bench_vllm_serving.py $(ARGS)
+
+# rollouts with an adapter on the vLLM engine on CPU: vLLM's own LoRA ops against the engine's grouped ones
+bench-vllm-lora: setup-vllm
+	PYTHONPATH=backend:. $(VLLM_BIN)/python benchmarks/bench_vllm_lora_cpu.py $(ARGS)
 
 bench-lora-serving: setup
 	$(BIN)/python benchmarks/bench_lora_serving.py $(ARGS)

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 from art_backend.config import BackendSettings
-from art_backend.engine.base import GenerationRequest, SamplingParams
+from art_backend.engine.base import Engine, GenerationRequest, SamplingParams
 from art_backend.engine.llama import LORA_TARGETS
 from art_backend.engine.torch_engine import TorchEngine
 from art_backend.model_store import resolve_model_dir
@@ -60,7 +60,7 @@ def on_a_passing_thread(job: Callable[..., T], *args: Any) -> T:
         return thread.submit(job, *args).result()
 
 
-async def one_request(engine: TorchEngine, prompt: list[int], model: str | None, new_tokens: int) -> int:
+async def one_request(engine: Engine, prompt: list[int], model: str | None, new_tokens: int) -> int:
     generated = 0
     request = GenerationRequest(prompt, SamplingParams(max_tokens=new_tokens, temperature=1.0, ignore_eos=True),
                                 model=model)
@@ -104,10 +104,12 @@ async def bench(engine: TorchEngine, levels: list[int], new_tokens: int, repeats
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", default="1,16", help="comma-separated request counts")
-    parser.add_argument("--new-tokens", type=int, default=128)
+def lora_bench_arguments(description: str, concurrency: str, new_tokens: int) -> tuple[argparse.Namespace, list[int], Path]:
+    """The command line both LoRA serving benchmarks take: its arguments, the concurrency levels and
+    the model directory; prints the run's set-up."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--concurrency", default=concurrency, help="comma-separated request counts")
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
@@ -117,6 +119,11 @@ def main() -> None:
     print(f"Model {model_dir}; LoRA rank {args.rank} on {len(LORA_TARGETS)} projections; concurrency {levels}; "
           f"{args.new_tokens} new tokens; {args.repeats} repeat(s); {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.2f} (other load skews these timings)", flush=True)
+    return args, levels, model_dir
+
+
+def main() -> None:
+    args, levels, model_dir = lora_bench_arguments(__doc__.splitlines()[0], "1,16", 128)
     started = time.perf_counter()
     engine = TorchEngine(model_dir)
     with tempfile.TemporaryDirectory() as scratch:

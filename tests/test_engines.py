@@ -107,6 +107,61 @@ async def test_an_adapter_is_served_as_peft_computes_it(engine: Engine, embedded
         await _run(engine, GenerationRequest(_prompt(engine, "x"), SamplingParams(max_tokens=1), model="probe"))
 
 
+async def test_each_request_of_a_batch_gets_its_own_adapter_or_none(engine: Engine, embedded_model_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    """Four adapters (the vLLM engine's slots, all in use) and the base model in one batch: each
+    request is served as if alone (vLLM's own CPU ops served the base request with the last slot's
+    adapter: vllm_cpu_lora.py)."""
+    names = [f"slot{i}" for i in range(4)]
+    for seed, name in enumerate(names):
+        random_adapter(embedded_model_dir, tmp_path / name, ALL_PROJECTIONS, seed=seed, rank=8, scale=0.05)
+    for name in names:
+        await engine.load_adapter(name, tmp_path / name)
+    try:
+        prompt = _prompt(engine, "Name three colors.")
+        greedy = SamplingParams(max_tokens=8, temperature=0)
+        models = [None, *names]
+        alone = [(await _run(engine, GenerationRequest(prompt, greedy, model=m)))[0] for m in models]
+        batched = [out[0] for out in await asyncio.gather(
+            *(_run(engine, GenerationRequest(prompt, greedy, model=m)) for m in models))]
+    finally:
+        for name in names:
+            await engine.remove_adapter(name)
+    assert len({tuple(out["logprobs"][:3]) for out in alone}) == len(models)  # each adapter changes the model
+    for model, by_itself, beside_others in zip(models, alone, batched):
+        assert beside_others["ids"] == by_itself["ids"], model
+        assert beside_others["logprobs"] == pytest.approx(by_itself["logprobs"], abs=2e-3), model
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("indices", [[0] * 6, [0, 1, 1, -1, 0, 1], [-1] * 6, [1]],
+                         ids=["one", "mixed", "none", "single"])
+@pytest.mark.parametrize("add_inputs", [True, False])
+def test_the_grouped_cpu_lora_ops_take_vllms_products(indices: list[int], add_inputs: bool) -> None:
+    """Where vLLM's own CPU ops are right (the slot -1 reads, the last, holds no adapter), ours give
+    their numbers, for every op, with one adapter, several, none, and a single token."""
+    pytest.importorskip("vllm", reason="vLLM is not installed in this venv")
+    from vllm.lora.ops.torch_ops import lora_ops
+
+    from art_backend.engine import vllm_cpu_lora
+
+    torch.manual_seed(0)
+    a, b = torch.randn(3, 1, 8, 64), torch.randn(3, 1, 96, 8)
+    a[-1], b[-1] = 0, 0
+    index = torch.tensor(indices)
+    x, shrunk = torch.randn(len(indices), 64), torch.randn(len(indices), 8)
+    for ours, theirs, args in (
+            (vllm_cpu_lora.bgmv_shrink, lora_ops.bgmv_shrink, (x, a, index, 0.5)),
+            (vllm_cpu_lora.bgmv_expand, lora_ops.bgmv_expand, (shrunk, b, index, add_inputs)),
+            (vllm_cpu_lora.bgmv_expand_slice, lora_ops.bgmv_expand_slice, (shrunk, b, index, 16, 96, add_inputs))):
+        width = 8 if ours is vllm_cpu_lora.bgmv_shrink else 128
+        start = torch.randn(len(indices), width)
+        expected, got = start.clone(), start.clone()
+        theirs(args[0], args[1], expected, *args[2:])
+        ours(args[0], args[1], got, *args[2:])
+        assert torch.allclose(got, expected, atol=1e-5), ours.__name__
+
+
 async def test_a_seed_reproduces_sampling_and_n_samples_differ(engine: Engine) -> None:
     prompt = _prompt(engine, "Tell me a word.")
     request = GenerationRequest(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=7), n=3)

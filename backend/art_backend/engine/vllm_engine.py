@@ -8,7 +8,8 @@ tokens. Penalties, logit bias and the top-k, min-p and top-p cuts are vLLM's own
 torch engine follows (`sampling.py`), and logprobs are vLLM's `processed_logprobs`: of the
 distribution each token was drawn from, as the torch engine reports them; under a grammar, the
 policy's own before the grammar's mask, as on the torch engine (`vllm_policy_logprobs.py`: vLLM
-itself takes them after the mask, 0.0 for a forced token).
+itself takes them after the mask, 0.0 for a forced token). On CPU, adapters are applied with one
+matmul per adapter in the batch (`vllm_cpu_lora.py`: vLLM's own CPU ops copy each token's matrix).
 
 Every checkpoint is a `LoRARequest` read from its directory. A training step pauses
 scheduling (requests in flight freeze, new ones queue; on a GPU vLLM also sleeps, level 1, so
@@ -49,7 +50,7 @@ from art_backend.engine.base import (
 )
 from art_backend.engine.host_memory import return_freed_memory_to_os
 from art_backend.engine.sampling import LOWEST_LOGPROB
-from art_backend.engine import vllm_policy_logprobs as policy_logprobs
+from art_backend.engine import vllm_worker
 from art_backend.grammar import Constrainer, GrammarError
 from art_backend.tool_formats.vllm_parsers import use_vllm_parsers
 from art_backend.training.checkpoints import DamagedCheckpointError
@@ -121,7 +122,7 @@ def vllm_engine_args(model_dir: Path, served_model_name: str, max_model_len: int
         "max_cpu_loras": max_cpu_loras, "tensor_parallel_size": tensor_parallel_size,
         "data_parallel_size": data_parallel_size,
         "logprobs_mode": "processed_logprobs", "structured_outputs_config": {"backend": "guidance"},
-        "worker_extension_cls": policy_logprobs.WORKER_EXTENSION,
+        "worker_extension_cls": vllm_worker.WORKER_EXTENSION,
         "enable_prefix_caching": True, "enable_sleep_mode": on_gpu, "disable_log_stats": True,
     }
     if max_batch_size is not None:
@@ -202,7 +203,8 @@ class VLLMEngine:
             raise ValueError(f"Not vLLM engine arguments: {', '.join(unknown)} (see vllm.AsyncEngineArgs).")
         if "worker_extension_cls" in extra:
             raise ValueError("worker_extension_cls is the backend's own (it makes logprobs under a grammar the "
-                             "policy's, engine/vllm_policy_logprobs.py): leave it out of the engine arguments.")
+                             "policy's, and on CPU puts in its LoRA ops: engine/vllm_worker.py): leave it out of "
+                             "the engine arguments.")
         args.update(extra)
         self.engine_args = AsyncEngineArgs(**args)
 
@@ -228,9 +230,10 @@ class VLLMEngine:
         # server's (on an H100: 1024 sequences and 8192 tokens per step; the engine context's
         # fallback is 128 and 2048, which capped a GPU's rollouts at 128 in flight)
         llm = async_llm.from_engine_args(self.engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
-        if not all(await llm.collective_rpc(policy_logprobs.INSTALL_METHOD)):
+        if not all(await llm.collective_rpc("report_policy_logprobs")):
             logger.warning("vLLM %s: logprobs under a grammar are vLLM's own, taken after the mask (see the "
                            "worker's log)", self._vllm.__version__)
+        await llm.collective_rpc("group_cpu_lora_ops")
         return llm
 
     # ----- bridging to the engine's loop --------------------------------------------------

@@ -21,21 +21,14 @@ replaced by the policy's own at the request's temperature, before mask and top-k
 which is what `sampling.py` reports for a constrained row on the torch engine. Rows without a
 grammar, and what is sampled, are untouched.
 
-Installed by `VLLMEngine` through vLLM's `worker_extension_cls` and one `collective_rpc`, in
-every worker process (one per GPU; on CPU the engine core's).
+Installed in every worker process through `vllm_worker.py`.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
-
-logger = logging.getLogger(__name__)
-
-WORKER_EXTENSION = f"{__name__}.PolicyLogprobsWorker"
-INSTALL_METHOD = "report_policy_logprobs"
 
 
 class _DeferredMask:
@@ -48,7 +41,7 @@ class _DeferredMask:
 _deferred = _DeferredMask()
 
 
-def _install() -> bool:
+def install() -> bool:
     """Patch this process's vLLM; False where its internals are not the ones this was written for."""
     from vllm.v1.sample import sampler as sampler_module
     from vllm.v1.worker import gpu_model_runner
@@ -94,14 +87,3 @@ def _install() -> bool:
     sampler_module.Sampler.sample = sample_with_policy_logprobs
     return True
 
-
-class PolicyLogprobsWorker:
-    """Mixed into vLLM's worker class (`worker_extension_cls`); `VLLMEngine` calls the method below
-    once on every worker after vLLM starts."""
-
-    def report_policy_logprobs(self) -> bool:
-        installed = _install()
-        if not installed:
-            logger.warning("This vLLM's sampler is not the one art_backend knows: logprobs under a grammar stay "
-                           "vLLM's (0.0 for a forced token), and GRPO trains forced tokens less on this engine.")
-        return installed
