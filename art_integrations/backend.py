@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -64,6 +65,8 @@ class Backend(CheckpointSync):
         # a training step can take minutes on CPU: no read timeout unless asked
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers,
                                        timeout=httpx.Timeout(timeout, connect=10.0))
+        self._openai_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncOpenAI] = \
+            weakref.WeakKeyDictionary()
 
     def __getattr__(self, name: str) -> Any:
         hint = type(self).ART_METHODS.get(name)
@@ -72,7 +75,24 @@ class Backend(CheckpointSync):
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def openai_client(self, **kwargs: Any) -> AsyncOpenAI:
-        return AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused", **kwargs)
+        """An `AsyncOpenAI` at the backend: without `kwargs`, one per event loop, kept (as ART's
+        `model.openai_client()` keeps one). A client made per call and dropped unclosed leaves its
+        connections to the garbage collector, and rollouts sent meanwhile on a newer client waited
+        for replies the server never got: tests/test_grpo_learns.py's rounds, each on a client of
+        its own, hung until openai's 600 s timeout in most runs."""
+        def new() -> AsyncOpenAI:
+            return AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused", **kwargs)
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop yet: it cannot be known which one the client will live on
+            return new()
+        if kwargs:
+            return new()
+        client = self._openai_clients.get(loop)
+        if client is None or client.is_closed():
+            client = self._openai_clients[loop] = new()
+        return client
 
     def __reduce__(self) -> tuple[type[RemoteBackend], tuple[str, str | None, float | None]]:
         # Pickled (a rollout sent to a Ray worker), any backend arrives as a client of the same
@@ -131,6 +151,9 @@ class Backend(CheckpointSync):
 
     async def close(self) -> None:
         await self._http.aclose()
+        client = self._openai_clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.close()
 
     async def __aenter__(self) -> Backend:
         return self

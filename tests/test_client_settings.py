@@ -64,3 +64,27 @@ async def test_art_llm_streams_end_with_the_usage(tiny_server: ServerThread) -> 
         assert 0 < usage["completion_tokens"] <= 5
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
         assert responses[-1].message.content == responses[-2].message.content  # the text is whole at the end
+
+
+async def test_a_backend_keeps_one_openai_client_per_event_loop_and_closes_it(tiny_server: ServerThread) -> None:
+    """As ART's model.openai_client(): the same client each call on a loop (a client per call,
+    dropped unclosed, left rollouts on newer clients waiting for replies: backend.py), a fresh one
+    when asked for other settings, and it is closed with the backend."""
+    import asyncio
+
+    from art_integrations import RemoteBackend
+
+    backend = RemoteBackend(tiny_server.base_url)
+    client = backend.openai_client()
+    assert backend.openai_client() is client
+    assert backend.openai_client(max_retries=0) is not client
+    assert (await client.models.list()).data
+    other_loop = await asyncio.to_thread(lambda: asyncio.run(_client_of(backend)))
+    assert other_loop is not client
+    await backend.close()
+    assert client.is_closed()
+    assert backend.openai_client() is not client
+
+
+async def _client_of(backend: object) -> object:
+    return backend.openai_client()  # type: ignore[attr-defined]
