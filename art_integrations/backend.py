@@ -86,8 +86,8 @@ class Backend(CheckpointSync):
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop yet: it cannot be known which one the client will live on
-            return new()
-        if kwargs:
+            loop = None
+        if kwargs or loop is None:
             return new()
         client = self._openai_clients.get(loop)
         if client is None or client.is_closed():

@@ -104,7 +104,8 @@ async def bench(engine: TorchEngine, levels: list[int], new_tokens: int, repeats
     return rows
 
 
-def lora_bench_arguments(description: str, concurrency: str, new_tokens: int) -> tuple[argparse.Namespace, list[int], Path]:
+def lora_bench_arguments(description: str, concurrency: str,
+                         new_tokens: int) -> tuple[argparse.Namespace, list[int], Path]:
     """The command line both LoRA serving benchmarks take: its arguments, the concurrency levels and
     the model directory; prints the run's set-up."""
     parser = argparse.ArgumentParser(description=description)

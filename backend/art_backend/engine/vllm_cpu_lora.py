@@ -80,7 +80,7 @@ _vllms_own: dict[tuple[Any, str], Any] = {}
 def install(grouped: bool = True) -> bool:
     """Put the grouped ops in this process's vLLM on CPU (its sgmv ops call the bgmv ones), or
     vLLM's own back (`grouped=False`, for benchmarks/bench_vllm_lora_cpu.py); False where vLLM is
-    on a GPU or its CPU ops are not the ones this was written for."""
+    on a GPU or its CPU ops are not the ones this was written for (`VLLMEngine` warns on CPU)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():

@@ -233,7 +233,10 @@ class VLLMEngine:
         if not all(await llm.collective_rpc("report_policy_logprobs")):
             logger.warning("vLLM %s: logprobs under a grammar are vLLM's own, taken after the mask (see the "
                            "worker's log)", self._vllm.__version__)
-        await llm.collective_rpc("group_cpu_lora_ops")
+        if not self.on_gpu and not all(await llm.collective_rpc("group_cpu_lora_ops")):
+            logger.warning("vLLM %s: its CPU LoRA ops are not the ones art_backend knows, so they stay vLLM's own "
+                           "(several times slower with an adapter, and a base-model request batched beside four "
+                           "adapters is served with the last: engine/vllm_cpu_lora.py)", self._vllm.__version__)
         return llm
 
     # ----- bridging to the engine's loop --------------------------------------------------
