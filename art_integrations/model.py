@@ -117,10 +117,15 @@ class Model(StrictModel):
         return self.inference_name
 
     def openai_client(self, **kwargs: Any) -> AsyncOpenAI:
-        """An `AsyncOpenAI` at `inference_base_url`; use `model=model.get_inference_name()`."""
+        """An `AsyncOpenAI` at `inference_base_url`; use `model=model.get_inference_name()`. At the
+        registered backend's endpoint it is the backend's own (`Backend.openai_client`: one per event
+        loop, closed with the backend)."""
         if self.inference_base_url is None:
             raise RuntimeError(f"Model {self.name!r} has no inference_base_url: set it to the endpoint that serves "
                                f"{self.inference_name!r}.")
+        if self._backend is not None and self.inference_base_url == f"{self._backend.base_url}/v1" \
+                and self.inference_api_key == (self._backend.api_key or "unused"):
+            return self._backend.openai_client(**kwargs)
         return AsyncOpenAI(base_url=self.inference_base_url, api_key=self.inference_api_key or "unused", **kwargs)
 
     def _path(self, action: str) -> str:

@@ -86,5 +86,22 @@ async def test_a_backend_keeps_one_openai_client_per_event_loop_and_closes_it(ti
     assert backend.openai_client() is not client
 
 
+async def test_a_registered_model_hands_out_its_backends_kept_client(tiny_training_server: ServerThread) -> None:
+    """`model.openai_client()` at its backend's endpoint is the backend's (kept, closed with it); at
+    an endpoint of its own it is a client of its own."""
+    from art_integrations import Model, RemoteBackend, TrainableModel
+
+    backend = RemoteBackend(tiny_training_server.base_url)
+    model = TrainableModel(name="kept-client", project="kept-client")
+    await model.register(backend)
+    client = model.openai_client()
+    assert client is backend.openai_client() and model.openai_client() is client
+    assert model.openai_client(max_retries=0) is not client
+    elsewhere = Model(name="judge", project="kept-client", inference_base_url="http://127.0.0.1:9/v1")
+    assert str(elsewhere.openai_client().base_url) == "http://127.0.0.1:9/v1/"
+    await backend.close()
+    assert client.is_closed()
+
+
 async def _client_of(backend: object) -> object:
     return backend.openai_client()  # type: ignore[attr-defined]
