@@ -142,10 +142,10 @@ def test_a_parser_named_for_the_wrong_template_is_refused(embedded_model_dir: Pa
 # ----- on both engines, over HTTP --------------------------------------------------------
 
 
-# xdist_group: under `--dist loadgroup` (the vLLM part of `make test`) a family's tests stay on one worker,
-# so its engine starts once (a vLLM start is ~40 s)
+# the vLLM part of `make test` keeps a file's tests on one worker (`--dist loadfile`): a family's engine
+# starts once (a vLLM start is ~40 s)
 @pytest.fixture(scope="module", params=[pytest.param((family, engine.values[0]), id=f"{family}-{engine.id}",
-                                                     marks=[*engine.marks, pytest.mark.xdist_group(f"{family}-{engine.id}")])
+                                                     marks=engine.marks)
                                         for engine in ENGINES for family in FAMILIES])
 def family_server(request: pytest.FixtureRequest, family_dirs: dict[str, Path]) -> Iterator[tuple[str, Any]]:
     family, kind = request.param

@@ -144,7 +144,8 @@ def test_the_unsloth_stage_measures_a_grpo_step_and_an_sft_pass_with_the_trainer
 @pytest.mark.vllm
 def test_check_sh_runs_its_first_stage_on_the_cpu_with_vllm(tmp_path: Path) -> None:
     pytest.importorskip("vllm", reason="vLLM is not installed in this venv: `make test` runs this in .venv-vllm")
-    env = {**os.environ, "KIT_DIR": str(tmp_path / "kit"), "KIT_STAGES": "contract", "KIT_PYTHON": sys.executable,
+    outer = {key: value for key, value in os.environ.items() if key != "PYTEST_ADDOPTS"}  # this run's, not the kit's
+    env = {**outer, "KIT_DIR": str(tmp_path / "kit"), "KIT_STAGES": "contract", "KIT_PYTHON": sys.executable,
            "KIT_RESULTS": str(tmp_path / "results.md"),
            "KIT_TESTS": "tests/test_engines.py::test_vllm_engine_arguments_are_checked_before_vllm_starts"}
     result = subprocess.run(["bash", "benchmarks/gpu/check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
