@@ -11,12 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from art_backend.config import BackendSettings
 from art_integrations import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
 from tests.conftest import ENGINES
 
 TRAIN_CATEGORIES = ["color", "fruit", "animal", "country", "vegetable", "musical instrument", "sport", "planet"]
 HELD_OUT_CATEGORIES = ["flower", "metal", "city", "tree", "bird", "drink"]
 ROLLOUTS_PER_GROUP = 8
+# A ceiling on the torch engine's backend process's peak resident memory over the model's weight bytes
+# (float32 safetensors, 538 MB), so that a regression shows. Measured here, 2026-12-03 (AVX-512 Xeon): 4.85x
+# with the fused CPU kernels (integer-group serving weights), 6.4x without them (float32 serving copies).
+PEAK_OVER_WEIGHTS = {True: 5.5, False: 7.2}  # by BackendSettings().cpu_kernels
 
 
 def one_word_reward(text: str) -> float:
@@ -49,7 +54,8 @@ def mean_reward(groups: list[TrajectoryGroup]) -> float:
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-async def test_grpo_raises_held_out_reward_of_the_embedded_model(tmp_path: Path, engine: str) -> None:
+async def test_grpo_raises_held_out_reward_of_the_embedded_model(tmp_path: Path, engine: str,
+                                                                 embedded_model_dir: Path) -> None:
     if engine == "vllm":
         pytest.importorskip("vllm")
     async with LocalBackend(engine=engine, art_dir=tmp_path) as backend:
@@ -62,5 +68,20 @@ async def test_grpo_raises_held_out_reward_of_the_embedded_model(tmp_path: Path,
                                        TrainConfig(learning_rate=2e-4))
             assert result.step == step + 1
         after = mean_reward(await rollout_groups(model, HELD_OUT_CATEGORIES, seed=99))
+        peak = peak_resident_bytes(backend.pid) if engine == "torch" else None  # vLLM's runs in a process of its own
     print(f"held-out one-word reward ({engine} engine): base {before:.3f} -> trained {after:.3f}")
     assert after >= before + 0.2, (before, after)
+    if peak is not None:
+        weights = sum(path.stat().st_size for path in embedded_model_dir.glob("*.safetensors"))
+        ceiling = PEAK_OVER_WEIGHTS[BackendSettings().cpu_kernels]
+        print(f"backend peak: {peak / 2**30:.2f} GiB, {peak / weights:.2f}x the weights (ceiling {ceiling}x)")
+        assert peak <= ceiling * weights, (peak, weights)
+
+
+def peak_resident_bytes(pid: int | None) -> int | None:
+    """A live process's peak resident memory (VmHWM), where /proc tells it (Linux)."""
+    status = Path(f"/proc/{pid}/status")
+    if pid is None or not status.exists():
+        return None
+    (line,) = [line for line in status.read_text().splitlines() if line.startswith("VmHWM:")]
+    return int(line.split()[1]) * 1024
