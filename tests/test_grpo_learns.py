@@ -13,6 +13,7 @@ import pytest
 
 from art_backend.config import BackendSettings
 from art_integrations import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
+from benchmarks.process_memory import resident_mib
 from tests.conftest import ENGINES
 
 TRAIN_CATEGORIES = ["color", "fruit", "animal", "country", "vegetable", "musical instrument", "sport", "planet"]
@@ -68,20 +69,13 @@ async def test_grpo_raises_held_out_reward_of_the_embedded_model(tmp_path: Path,
                                        TrainConfig(learning_rate=2e-4))
             assert result.step == step + 1
         after = mean_reward(await rollout_groups(model, HELD_OUT_CATEGORIES, seed=99))
-        peak = peak_resident_bytes(backend.pid) if engine == "torch" else None  # vLLM's runs in a process of its own
+        if engine == "torch":  # (vLLM's engine runs in a process of its own, apart from the backend's)
+            assert backend.pid is not None  # LocalBackend's default: the backend in a process of its own
+            peak = resident_mib(backend.pid)[1] * 2**20
     print(f"held-out one-word reward ({engine} engine): base {before:.3f} -> trained {after:.3f}")
     assert after >= before + 0.2, (before, after)
-    if peak is not None:
+    if engine == "torch":
         weights = sum(path.stat().st_size for path in embedded_model_dir.glob("*.safetensors"))
         ceiling = PEAK_OVER_WEIGHTS[BackendSettings().cpu_kernels]
         print(f"backend peak: {peak / 2**30:.2f} GiB, {peak / weights:.2f}x the weights (ceiling {ceiling}x)")
         assert peak <= ceiling * weights, (peak, weights)
-
-
-def peak_resident_bytes(pid: int | None) -> int | None:
-    """A live process's peak resident memory (VmHWM), where /proc tells it (Linux)."""
-    status = Path(f"/proc/{pid}/status")
-    if pid is None or not status.exists():
-        return None
-    (line,) = [line for line in status.read_text().splitlines() if line.startswith("VmHWM:")]
-    return int(line.split()[1]) * 1024
