@@ -1,11 +1,15 @@
 """`art_capture()`: every model call made inside lands in one trajectory, with exact tokens.
 
-Integrations (the LangChain callback handler, the LlamaIndex handler, the drop-in models)
-report each finished call with `record_call()`. The call goes to the innermost capture open
-in the caller's context (a `ContextVar`, so concurrent asyncio tasks and LangChain's executor
-threads each see their own). On exit the calls become the trajectory's conversations; the
-exact tokens of replies that did not bring them along (the callback-handler path) are then
-fetched from the backend in one request, or under `gather_trajectory_groups` once per group:
+A call's exact tokens take one path: the HTTP transport (`transports/`) sees every generation
+request an HTTP client sends inside the capture and reads the tokens from the backend's reply.
+Integrations (the LangChain callback handler, the LlamaIndex handler, the drop-in models) add
+structure only: each finished call they `record_call()` names the agent and node it ran in, and
+is joined to the transport's copy of it by record id (`_once`). A call goes to the innermost
+capture open in the caller's context (a `ContextVar`, so concurrent asyncio tasks and
+LangChain's executor threads each see their own). On exit the calls become the trajectory's
+conversations; the logprobs of replies that did not bring them (the first call to a backend no
+client named) are then fetched from the backend in one request, or under
+`gather_trajectory_groups` once per group:
 
 - calls are grouped by agent (LangGraph's checkpoint namespace: the root graph is the main
   agent, each subgraph a sub-agent);
@@ -59,11 +63,12 @@ class ModelCall:
     choice: Choice | None = None  # set directly when the integration saw the tokens itself
     via_transport: bool = False  # seen where an HTTP client sent it (transports/)
     teacher: bool = False  # another server's reply (art_capture(teacher=True)): a message, no tokens
+    tokenless: bool = False  # its tokens cannot be had (the capture's errors say why): a message only
 
     @property
     def waits_for_tokens(self) -> bool:
         """No exact tokens yet, and some to come (a teacher's reply has none)."""
-        return self.choice is None and not self.teacher
+        return self.choice is None and not self.teacher and not self.tokenless
 
 
 LATE_CALL = ("a model call finished after its art_capture() had exited (a task started inside the capture and "
@@ -225,7 +230,7 @@ def _install_transport() -> None:
 def _requests(calls: list[ModelCall]) -> dict[tuple[str, str | None], list[ModelCall]]:
     by_endpoint: dict[tuple[str, str | None], list[ModelCall]] = {}
     for call in calls:
-        if call.choice is None and call.record_id is not None:
+        if call.waits_for_tokens and call.record_id is not None:
             by_endpoint.setdefault((call.endpoint.rstrip("/"), call.api_key), []).append(call)
     return by_endpoint
 
@@ -246,13 +251,6 @@ def _apply_record(scope: CaptureScope, call: ModelCall, records: dict[str, Any])
     call.choice = exact_choice(call, record["prompt_token_ids"], record["token_ids"], record["logprobs"])
 
 
-def _missing_ids(scope: CaptureScope) -> None:
-    for call in scope.calls:
-        if call.waits_for_tokens and call.record_id is None:
-            scope.error(f"a call to {call.endpoint} returned no token record: point the chat model at an "
-                        "art-backend and send extra_body={'return_token_ids': True}")
-
-
 def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -264,8 +262,6 @@ def fetch_tokens(scopes: list[CaptureScope]) -> None:
     """Fetch the exact tokens of the scopes' calls, one request per backend however many scopes,
     and put each in place of its assembled reply."""
     owner = {id(call): scope for scope in scopes for call in scope.calls}
-    for scope in scopes:
-        _missing_ids(scope)
     for (endpoint, api_key), calls in _requests([call for scope in scopes for call in scope.calls]).items():
         try:
             response = _http.post(f"{endpoint}/art/token_records", json={"ids": [c.record_id for c in calls]},
@@ -347,27 +343,45 @@ def _history(conversation: list[ModelCall]) -> tuple[History, list[tuple[int, Mo
     return History(messages_and_choices=items, tools=conversation[0].tools), waiting
 
 
-def _once(calls: list[ModelCall]) -> list[ModelCall]:
-    """`calls` without the transport's copies of calls an integration recorded too (ChatART,
-    ARTLLM, the callback handlers): theirs know the agent (LangGraph's namespace) the call ran in.
-    A copy's exact tokens pass to the integration's call where it has none (a callback handler
-    sees no tokens), so that call needs no token fetch."""
+def _once(scope: CaptureScope, calls: list[ModelCall]) -> list[ModelCall]:
+    """Each call once, its tokens the transport's: the one path a call's exact tokens take.
+
+    An integration (ChatART, ARTLLM, the callback handlers) records a call for its structure (the
+    LangGraph agent and node it ran in); the transport saw the same request and read its tokens
+    from the reply. The two are joined by record id: the integration's call is kept, with the
+    transport's tokens (or, where the reply lacked its logprobs, waiting for the same fetch), and
+    the transport's copy is dropped. An integration's call the transport never saw has no tokens:
+    said, and kept as a message."""
     copies = {call.record_id: call for call in calls if call.via_transport and call.record_id is not None}
-    recorded = set()
+    joined = set()
     for call in calls:
-        copy = None if call.via_transport else copies.get(call.record_id)  # type: ignore[arg-type]
-        if copy is not None:
-            recorded.add(call.record_id)
-            if call.choice is None and copy.choice is not None:
-                call.choice = copy.choice.model_copy(update={"message": call.response,
-                                                             "finish_reason": call.finish_reason})
-    return [call for call in calls if not (call.via_transport and call.record_id in recorded)]
+        if call.via_transport or not call.waits_for_tokens:
+            continue
+        copy = copies.get(call.record_id) if call.record_id is not None else None
+        if copy is None:
+            call.tokenless = True
+            if call.record_id is None:
+                scope.error(f"a call to {call.endpoint} returned no token record: point the chat model at an "
+                            "art-backend and leave return_token_ids on (its default); the turn is kept as a "
+                            "message and not trained on")
+            else:
+                scope.error(f"a call to {call.endpoint} (record {call.record_id}) was not seen at the HTTP "
+                            "transport, so its tokens are unknown: send it through httpx, httpx2, requests or "
+                            "aiohttp (the openai SDK's and LangChain's clients do); the turn is kept as a "
+                            "message and not trained on")
+            continue
+        joined.add(call.record_id)
+        if copy.choice is not None:
+            call.choice = copy.choice.model_copy(update={"message": call.response,
+                                                         "finish_reason": call.finish_reason})
+    return [call for call in calls if not (call.via_transport and call.record_id in joined)]
 
 
 def assemble(scope: CaptureScope) -> None:
     """Turn the recorded calls into the trajectory's main and additional histories."""
-    with scope._lock:
-        scope.calls = _once(scope.calls)
+    with scope._lock:  # closed: no call joins now, but one may have just been added from another thread
+        calls = list(scope.calls)
+    scope.calls = _once(scope, calls)  # outside the lock, which the errors it reports take
     calls = sorted(scope.calls, key=lambda c: c.started)
     trajectory = scope.trajectory
     trajectory.metrics["model_calls"] = len(calls)

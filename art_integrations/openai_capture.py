@@ -5,6 +5,6 @@ server, tests, benchmarks): the capture itself now covers every HTTP client, in
 from __future__ import annotations
 
 from art_integrations.transports import install
-from art_integrations.transports.core import BACKEND_HEADER, RECORDED_BY_HEADER, TOKEN_LOGPROBS_HEADER
+from art_integrations.transports.core import BACKEND_HEADER, TOKEN_LOGPROBS_HEADER
 
-__all__ = ["BACKEND_HEADER", "RECORDED_BY_HEADER", "TOKEN_LOGPROBS_HEADER", "install"]
+__all__ = ["BACKEND_HEADER", "TOKEN_LOGPROBS_HEADER", "install"]

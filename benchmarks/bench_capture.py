@@ -22,10 +22,10 @@ noisy machine cancels out; D and G run as blocks beside their baseline block (10
 round's value is the median paired overhead per call; reported is the median over rounds, and
 PASS when it is < max(1 ms, 2% of the baseline). Also timed without HTTP (us): the handler's
 on_chat_model_start + on_llm_end on a fake reply, and a capture's enter + close + `assemble()`.
-C and D make no request of their own: ChatART hands the tokens over with the reply. The handler
-only sees what LangChain keeps of a reply (its message id), so its tokens are fetched from the
-backend: E pays one request per capture; under gather (G) one request per group. The transport
-(H, I) records the reply's token record id likewise: one token fetch per capture.
+Every variant's tokens take the one path: the transport reads them from the reply (the server is
+a LocalBackend's, which names its URL to the capture, so each reply brings its tokens' logprobs),
+and the calls ChatART's and the user's handler record are joined to the transport's
+by record id, adding the LangGraph agent and node: no variant makes a request of its own.
 
 With --art-python (an interpreter of a separate venv with `openpipe-art`, which brings ~50
 packages we keep out of ours), each round also runs benchmarks/art_langgraph_calls.py there:
@@ -65,7 +65,7 @@ from langchain_core.outputs import ChatGeneration, LLMResult
 from langchain_openai import ChatOpenAI
 
 from art_integrations import LocalBackend, Trajectory, gather_trajectories
-from art_integrations.capture import art_capture, assemble
+from art_integrations.capture import ModelCall, art_capture, assemble, exact_choice, record_call
 from art_integrations.langchain.callback import ARTCallbackHandler
 from art_integrations.langchain.chat_model import ChatART
 
@@ -264,6 +264,8 @@ def micro_us(base_url: str, model: str) -> dict[str, float]:
     params = {"model": model, "max_tokens": 4, "temperature": 0}
     reply = LLMResult(generations=[[ChatGeneration(message=AIMessage(content="Hi there!", id="chatcmpl-abc-0"),
                                                    generation_info={"finish_reason": "length"})]])
+    copy_choice = exact_choice(ModelCall(endpoint=base_url, record_id=None, messages=[], response={}),
+                               [1, 2, 3], [4, 5, 6, 7], [-0.1, -0.2, -0.3, -0.4])
     handler_s, capture_s = [], []
     for _ in range(MICRO_ITERATIONS):
         start = time.perf_counter()
@@ -275,6 +277,10 @@ def micro_us(base_url: str, model: str) -> dict[str, float]:
                                     metadata={"langgraph_node": "agent"})
         handler.on_llm_end(reply, run_id=run_id)
         recorded = time.perf_counter()
+        # the transport's copy of the same call, which brings the tokens the handler's call is joined to
+        record_call(ModelCall(endpoint=base_url, record_id="chatcmpl-abc-0", messages=[{"role": "user",
+                              "content": PROMPT}], response={"role": "assistant", "content": "Hi there!"},
+                              via_transport=True, choice=copy_choice), scope=capture.scope)
         capture._close()  # __exit__ minus fetch_tokens (there is no server behind these ids)
         assemble(capture.scope)
         handler_s.append(recorded - entered)

@@ -7,10 +7,10 @@ For agents that keep their own `ChatOpenAI` pointed at an art-backend:
     with art_capture() as trajectory:
         agent.invoke(inputs, config={"callbacks": [ARTCallbackHandler()]})
 
-`return_token_ids` makes the backend keep each choice's exact tokens under the reply's message
-id; LangChain passes that id through, and the capture fetches the tokens on exit (under
-`gather_trajectory_groups`, once per group). (`ChatART` also hands the tokens over in
-`generation_info`; then nothing is fetched.)
+The handler adds what only LangChain knows (which LangGraph agent and node a call ran in); the
+call's exact tokens are the transport's (`transports/`), which saw the same request go out
+through the chat model's HTTP client and read them from its reply. The two are one call,
+joined by the reply's message id (the backend's token record id), and kept once.
 
 The handler runs inline (`run_inline = True`), in the caller's context, so the capture is the
 caller's even under `ainvoke` and inside LangGraph's tasks. It keys its bookkeeping by
@@ -38,7 +38,6 @@ from langchain_core.outputs import LLMResult
 from langchain_core.tracers.context import register_configure_hook
 
 from art_integrations.capture import CaptureScope, ModelCall, current_capture, record_call
-from art_integrations.trajectory import Choice
 
 logger = logging.getLogger(__name__)
 
@@ -51,17 +50,6 @@ def agent_of(metadata: dict[str, Any]) -> str:
     namespace = str(metadata.get("langgraph_checkpoint_ns") or metadata.get("checkpoint_ns") or "")
     names = [part.split(":", 1)[0] for part in namespace.split("|") if part]
     return "|".join(names[:-1])
-
-
-def choice_in(info: dict[str, Any], reply: dict[str, Any]) -> Choice | None:
-    """The exact tokens ChatART put in `generation_info`, if complete; None: fetch them on exit."""
-    prompt_ids, token_ids = info.get("prompt_token_ids"), info.get("token_ids")
-    logprobs = (info.get("logprobs") or {}).get("content")
-    if prompt_ids is None or token_ids is None or logprobs is None or len(logprobs) != len(token_ids):
-        return None
-    return Choice(message=reply, finish_reason=info.get("finish_reason"),
-                  logprobs={"content": [{"token": "", "logprob": lp["logprob"]} for lp in logprobs]},
-                  prompt_token_ids=prompt_ids, token_ids=token_ids)
 
 
 @dataclass
@@ -134,7 +122,7 @@ class ARTCallbackHandler(BaseCallbackHandler):
                     endpoint=pending.endpoint, record_id=record_id, messages=pending.messages, response=reply,
                     finish_reason=info.get("finish_reason"), tools=pending.tools,
                     agent=agent_of(pending.metadata), metadata=pending.metadata, started=pending.started,
-                    api_key=self.api_key, choice=choice_in(info, reply)), scope=pending.scope)
+                    api_key=self.api_key), scope=pending.scope)
 
     def on_llm_error(self, error: BaseException, *, run_id: UUID, parent_run_id: UUID | None = None,
                      **kwargs: Any) -> None:

@@ -1,11 +1,11 @@
 """`ChatART`: the drop-in LangChain chat model for a policy served by an art-backend.
 
 It is langchain-openai's `ChatOpenAI` (so tools, structured output, streaming, retries,
-batching and every callback behave exactly as users know them) with three things added: each
-request asks for the reply's exact tokens and logprobs (`return_token_ids`, `logprobs`), the
-tokens travel in each generation's `generation_info` (ChatOpenAI drops response fields it does
-not know), and an `ARTCallbackHandler` is attached so calls inside `art_capture()` are
-recorded. With the tokens in hand a capture needs no request of its own on exit.
+batching and every callback behave exactly as users know them) with two things added: each
+request asks for the reply's exact tokens and logprobs (`return_token_ids`, `logprobs`), and an
+`ARTCallbackHandler` is attached, so that a call inside `art_capture()` is recorded with the
+LangGraph agent and node it ran in. Its tokens are the transport's (`transports/`), which reads
+them from the reply as it does for any client: one path for every call's tokens.
 
 Two defaults differ from ChatOpenAI's: the API key (`api_key=`, `openai_api_key=` or
 OPENAI_API_KEY, as ChatOpenAI reads it) falls back to a placeholder, since a local backend needs
@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from langchain_core.callbacks import BaseCallbackManager
-from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.utils import secret_from_env
 from langchain_openai import ChatOpenAI
 from pydantic import Field, SecretStr
@@ -27,7 +26,6 @@ from pydantic import Field, SecretStr
 from art_integrations.backend import Backend
 from art_integrations.langchain.callback import ARTCallbackHandler
 from art_integrations.model import TrainableModel
-from art_integrations.openai_capture import RECORDED_BY_HEADER
 
 
 class ChatART(ChatOpenAI):
@@ -44,8 +42,6 @@ class ChatART(ChatOpenAI):
     def __init__(self, **kwargs: Any) -> None:
         kwargs["extra_body"] = {**(kwargs.get("extra_body") or {}), "return_token_ids": True}
         kwargs.setdefault("logprobs", True)  # the sampling policy's logprobs, which training needs
-        # recorded here, with its tokens: the openai SDK's transport capture leaves these requests alone
-        kwargs["default_headers"] = {**(kwargs.get("default_headers") or {}), RECORDED_BY_HEADER: "ChatART"}
         super().__init__(**kwargs)
         key = self.openai_api_key  # a callable key is the OpenAI client's to call, per request
         api_key = key.get_secret_value() if isinstance(key, SecretStr) else None
@@ -73,28 +69,6 @@ class ChatART(ChatOpenAI):
         # load() revives only the classes in langchain-core's allowlist (langchain_core.load.mapping),
         # so a dump of ChatART could never be loaded: unserializable, as other integrations outside it
         return False
-
-    def _create_chat_result(self, response: Any, generation_info: dict[str, Any] | None = None) -> ChatResult:
-        result = super()._create_chat_result(response, generation_info)
-        body = response if isinstance(response, dict) else response.model_dump()
-        for generation, choice in zip(result.generations, body.get("choices") or []):
-            if choice.get("token_ids") is not None and body.get("prompt_token_ids") is not None:
-                generation.generation_info = {**(generation.generation_info or {}),
-                                              "prompt_token_ids": body["prompt_token_ids"],
-                                              "token_ids": choice["token_ids"]}
-        return result
-
-    def _convert_chunk_to_generation_chunk(self, chunk: dict[str, Any], default_chunk_class: type,
-                                           base_generation_info: dict[str, Any] | None) -> ChatGenerationChunk | None:
-        # Streamed ids arrive as deltas; LangChain concatenates list fields when it merges chunks.
-        generation = super()._convert_chunk_to_generation_chunk(chunk, default_chunk_class, base_generation_info)
-        choices = chunk.get("choices") or []
-        ids = {key: value for key, value in (("prompt_token_ids", chunk.get("prompt_token_ids")),
-                                             ("token_ids", choices[0].get("token_ids") if choices else None))
-               if value is not None}
-        if generation is not None and ids:
-            generation.generation_info = {**(generation.generation_info or {}), **ids}
-        return generation
 
     def with_structured_output(  # type: ignore[override]
         self,

@@ -12,11 +12,11 @@ context-variable read.
 
 Inside a capture, a POST to a chat-completions, Responses or completions path is looked at; what
 it becomes is core.py's: recorded only where the reply carries the backend's `X-Art-Backend`
-header, with its exact tokens and logprobs read from the reply. ChatART's own requests (marked
-`X-Art-Recorded-By`) pass by: ChatART records them itself. A call a callback handler records too
-is kept once (`capture._once`, by token record id). A client none of these adapters covers (a
-websocket, gRPC, another HTTP library) is not seen: the capture that then records nothing says
-what to do (`capture.NO_CALLS`).
+header, with its exact tokens and logprobs read from the reply: the one way a call's tokens reach a
+trajectory. A call ChatART, ARTLLM or a callback handler records too is one call (`capture._once`,
+by token record id): theirs names the agent it ran in, the tokens are these. A client none of
+these adapters covers (a websocket, gRPC, another HTTP library) is not seen: the capture that
+then records nothing says what to do (`capture.NO_CALLS`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from types import ModuleType
 
 from art_integrations.transports.core import (
     BACKEND_HEADER,
-    RECORDED_BY_HEADER,
     TOKEN_LOGPROBS_HEADER,
 )
 
@@ -105,4 +104,4 @@ def install() -> None:
         sys.meta_path.insert(0, _hook)
 
 
-__all__ = ["ADAPTERS", "BACKEND_HEADER", "RECORDED_BY_HEADER", "TOKEN_LOGPROBS_HEADER", "install"]
+__all__ = ["ADAPTERS", "BACKEND_HEADER", "TOKEN_LOGPROBS_HEADER", "install"]

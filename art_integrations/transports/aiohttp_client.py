@@ -17,7 +17,6 @@ from typing import Any
 from art_integrations.capture import current_capture
 from art_integrations.transports.core import (
     BACKEND_HEADER,
-    RECORDED_BY_HEADER,
     TOKEN_LOGPROBS_HEADER,
     Collected,
     Exchange,
@@ -108,7 +107,7 @@ def _request(original: Callable[..., Any], multidict: Any) -> Callable[..., Any]
             headers = multidict.CIMultiDict(self.headers)
             headers.update(multidict.CIMultiDict(kwargs.get("headers") or {}))
             url = str(self._build_url(str_or_url) if hasattr(self, "_build_url") else str_or_url)
-            exchange = begin(scope, method, url, headers.get("authorization"), RECORDED_BY_HEADER in headers,
+            exchange = begin(scope, method, url, headers.get("authorization"),
                              _sent(kwargs.get("data"), kwargs.get("json"))) if new else None
             if exchange is None:
                 return await original(self, method, str_or_url, **kwargs)

@@ -27,8 +27,6 @@ from art_integrations.transports.replies import CHAT, COMPLETIONS, RESPONSES, ca
 
 BACKEND_HEADER = "x-art-backend"  # on every generated answer of an art-backend
 TOKEN_LOGPROBS_HEADER = "x-art-token-logprobs"  # asks a backend for each token's logprob beside its id
-# on the requests of an integration that records its calls with their tokens itself (ChatART): passed by untouched
-RECORDED_BY_HEADER = "X-Art-Recorded-By"
 EVENT_STREAM = "text/event-stream"
 
 # origin ("http://host:port") -> whether its generated replies carried BACKEND_HEADER. Only used to decide
@@ -101,11 +99,10 @@ class Exchange:
                 self.scope.add(call)
 
 
-def begin(scope: CaptureScope, method: str, url: str, authorization: str | None, recorded_by: bool,
+def begin(scope: CaptureScope, method: str, url: str, authorization: str | None,
           sent: Callable[[], Any]) -> Exchange | None:
-    """The exchange a request starts, or None when it is not a generation request to record (not a
-    generation path, or ChatART's own request, which it records itself)."""
-    if recorded_by or method.upper() != "POST":  # before parsing the URL: most requests end here
+    """The exchange a request starts, or None when it is not a generation request to record."""
+    if method.upper() != "POST":  # before parsing the URL: most requests end here
         return None
     parts = urlsplit(url)
     kind = generation_kind(method, parts.path)

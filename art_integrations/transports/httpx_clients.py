@@ -17,7 +17,6 @@ from typing import Any
 from art_integrations.capture import CaptureScope, current_capture
 from art_integrations.transports.core import (
     BACKEND_HEADER,
-    RECORDED_BY_HEADER,
     TOKEN_LOGPROBS_HEADER,
     Collected,
     Exchange,
@@ -30,9 +29,8 @@ from art_integrations.transports.patching import handling, wrap_method
 def _begin(scope: CaptureScope, request: Any) -> Exchange | None:
     if request.method != "POST":  # before building the URL's text
         return None
-    headers = request.headers
-    return begin(scope, request.method, str(request.url), headers.get("authorization"),
-                 RECORDED_BY_HEADER in headers, lambda: json_body(request.content)())
+    return begin(scope, request.method, str(request.url), request.headers.get("authorization"),
+                 lambda: json_body(request.content)())
 
 
 def _tee_types(module: ModuleType) -> tuple[type, type]:

@@ -53,8 +53,15 @@ def calls_from_reply(kind: str, sent: dict[str, Any], body: bytes, event_stream:
 
 def with_tokens(call: ModelCall, reply: dict[str, Any]) -> ModelCall:
     """`call` with its exact tokens where `reply` (a choice or a Response) carries them all; else it
-    waits for the capture's token fetch (the first call to a backend, or one from before the header)."""
-    tokens = [reply.get(key) for key in ("prompt_token_ids", "token_ids", "token_logprobs")]
+    waits for the capture's token fetch (the first call to a backend, or one from before the header).
+    The logprobs are the backend's `token_logprobs`, or, where the request asked for OpenAI's
+    `logprobs` (ChatART does), the same values in `logprobs.content`, one entry per token."""
+    logprobs = reply.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    token_logprobs = reply.get("token_logprobs")
+    if token_logprobs is None and content is not None and len(content) == len(reply.get("token_ids") or ()):
+        token_logprobs = [entry["logprob"] for entry in content]
+    tokens = [reply.get("prompt_token_ids"), reply.get("token_ids"), token_logprobs]
     if all(part is not None for part in tokens):
         call.choice = exact_choice(call, *tokens)  # type: ignore[arg-type]
     return call
@@ -106,9 +113,11 @@ def _joined(deltas: list[dict[str, Any]], prompt_ids: list[int] | None) -> dict[
     calls: dict[int, dict[str, Any]] = {}
     finish = None
     tokens: dict[str, Any] = {"prompt_token_ids": prompt_ids, "token_ids": [], "token_logprobs": []}
+    content: list[dict[str, Any]] = []  # OpenAI's logprobs, where the request asked for them
     for choice in deltas:
         tokens["token_ids"] += choice.get("token_ids") or []
         tokens["token_logprobs"] += choice.get("token_logprobs") or []
+        content += (choice.get("logprobs") or {}).get("content") or []
         delta = choice.get("delta") or {}
         message["content"] += delta.get("content") or ""
         if delta.get("id"):
@@ -124,8 +133,8 @@ def _joined(deltas: list[dict[str, Any]], prompt_ids: list[int] | None) -> dict[
     if calls:
         message["tool_calls"] = [calls[index] for index in sorted(calls)]
     if len(tokens["token_logprobs"]) != len(tokens["token_ids"]):
-        tokens["token_logprobs"] = None  # a reply without logprobs: the capture fetches them
-    return {"message": message, "finish_reason": finish, **tokens}
+        tokens["token_logprobs"] = None  # a reply without them: read from `logprobs`, or fetched by the capture
+    return {"message": message, "finish_reason": finish, "logprobs": {"content": content}, **tokens}
 
 
 def _prompt_text(prompt: Any) -> str:

@@ -16,7 +16,6 @@ from typing import Any
 from art_integrations.capture import current_capture
 from art_integrations.transports.core import (
     BACKEND_HEADER,
-    RECORDED_BY_HEADER,
     TOKEN_LOGPROBS_HEADER,
     Collected,
     Exchange,
@@ -74,7 +73,7 @@ def _send(original: Callable[..., Any]) -> Callable[..., Any]:
         with handling() as new:
             headers = request.headers
             exchange = begin(scope, request.method or "", request.url or "", headers.get("authorization"),
-                             RECORDED_BY_HEADER in headers, json_body(request.body)) if new else None
+                             json_body(request.body)) if new else None
             if exchange is None:
                 return original(self, request, **kwargs)
             if exchange.ask_tokens:
