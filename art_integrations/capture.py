@@ -60,7 +60,7 @@ class ModelCall:
     metadata: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     api_key: str | None = None
-    choice: Choice | None = None  # set directly when the integration saw the tokens itself
+    choice: Choice | None = None  # its exact tokens: read from the reply by the transport, or fetched at exit
     via_transport: bool = False  # seen where an HTTP client sent it (transports/)
     teacher: bool = False  # another server's reply (art_capture(teacher=True)): a message, no tokens
     tokenless: bool = False  # its tokens cannot be had (the capture's errors say why): a message only
