@@ -307,22 +307,33 @@ def test_vllm_starts_with_the_batch_limits_its_own_server_picks(tiny_model_dir: 
     """vLLM picks max_num_seqs and max_num_batched_tokens by hardware and by who starts it; we
     serve the OpenAI API, so ours must be the server's. An H100 picked 1024 and 8192 for the server
     and left our engine on 128 and 2048; on a CPU both are 128 and 2048, so here the hardware's
-    table is replaced by one where they differ."""
+    table is replaced by one where they differ. The config is vLLM's own, resolved as the engine
+    starts it; the start stops there (the engine's processes would add ~40 s and tell nothing more)."""
     pytest.importorskip("vllm")
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
 
     from art_backend.engine.vllm_engine import VLLMEngine
 
     server = UsageContext.OPENAI_API_SERVER
     monkeypatch.setattr(AsyncEngineArgs, "get_batch_defaults",
                         classmethod(lambda cls, world_size: ({server: 4096}, {server: 96})))
-    engine = VLLMEngine(tiny_model_dir)
-    try:
-        scheduler = engine._llm.vllm_config.scheduler_config
-        assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (96, 4096)
-    finally:
-        asyncio.run(engine.close())
+    started: list[Any] = []
+
+    class Resolved(Exception):
+        pass
+
+    def record_the_config(self: Any, vllm_config: Any, **_: Any) -> None:
+        started.append(vllm_config)
+        raise Resolved
+
+    monkeypatch.setattr(AsyncLLM, "__init__", record_the_config)
+    monkeypatch.setattr(AsyncLLM, "__del__", lambda self: None)  # nothing was started to shut down
+    with pytest.raises(Resolved):
+        VLLMEngine(tiny_model_dir)
+    scheduler = started[0].scheduler_config
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (96, 4096)
 
 
 def test_asking_for_vllm_without_it_says_how_to_install_it(tiny_model_dir: Path) -> None:
