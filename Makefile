@@ -152,7 +152,7 @@ bench-llamacpp: setup
 # llama.cpp's llama-server and llama-quantize, built once from llama-cpp-python's sdist into the cache dir
 # (minutes of CPU; `make test` does not build them): tests/test_export.py's llama.cpp test runs once they exist
 llama-cpp: setup
-	$(BIN)/python -m art_backend.export.llama_cpp
+	$(BIN)/python -c "from art_backend.export.llama_cpp import main; main()"
 
 # a step trained on the embedded model, exported, and each runtime's greedy tokens against the backend's
 bench-export: setup setup-vllm llama-cpp

@@ -196,6 +196,17 @@ def test_the_modelfile_template_is_written_for_chatml_only(tiny_model_dir: Path)
     with pytest.raises(TemplateNotConvertible, match="not ChatML"):
         recognise(tokenizer)
 
+def test_a_llama_cpp_build_shows_its_progress_and_a_failed_one_its_output(caplog: pytest.LogCaptureFixture) -> None:
+    steps = "; ".join(f"echo '[ {p:2d}%] Building CXX object ggml/{p}.o'" for p in (3, 7, 12, 48, 51, 100))
+    with caplog.at_level("INFO", logger=llama_cpp.logger.name):
+        llama_cpp._run_showing_progress(["sh", "-c", steps])
+    assert [r.getMessage() for r in caplog.records] == ["llama.cpp build: 3%", "llama.cpp build: 12%",
+                                                        "llama.cpp build: 48%", "llama.cpp build: 51%",
+                                                        "llama.cpp build: 100%"]
+    with pytest.raises(llama_cpp.LlamaCppError, match=r"(?s)exit 2.*ggml.c:1: error: no compiler"):
+        llama_cpp._run_showing_progress(["sh", "-c", "echo 'ggml.c:1: error: no compiler' >&2; exit 2"])
+
+
 
 def _llama_server() -> Path | None:
     from art_backend.config import BackendSettings

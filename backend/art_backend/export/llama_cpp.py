@@ -153,10 +153,7 @@ def build_tools(cache_dir: Path, names: Iterable[str], amx: bool = True) -> dict
                      # explicit -mno-* flags win over the -march=native that ggml adds
                      *([] if amx else [f"-DCMAKE_{lang}_FLAGS={NO_AMX}" for lang in ("C", "CXX")])]
         for command in (configure, ["cmake", "--build", build, "--target", *missing, "-j", str(os.cpu_count() or 1)]):
-            ran = subprocess.run(command, capture_output=True, text=True)
-            if ran.returncode != 0:
-                raise LlamaCppError(f"Building llama.cpp failed ({' '.join(command[:3])} ...):\n"
-                                    f"{(ran.stderr or ran.stdout).strip()[-3000:]}")
+            _run_showing_progress(command)
         for name in missing:
             binaries[name].parent.mkdir(parents=True, exist_ok=True)
             staged = binaries[name].with_name(f".{binaries[name].name}.partial")
@@ -164,6 +161,24 @@ def build_tools(cache_dir: Path, names: Iterable[str], amx: bool = True) -> dict
             os.replace(staged, binaries[name])
             logger.info("Built %s", binaries[name])
     return binaries
+
+
+def _run_showing_progress(command: list[str]) -> None:
+    """Run a cmake step; the build's own "[ 42%]" lines become a log line per tenth done, and its
+    output's tail goes into the error if it fails."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert process.stdout is not None
+    tail: list[str] = []
+    shown = -1
+    for line in process.stdout:
+        tail = (tail + [line])[-60:]
+        done = re.match(r"\[\s*(\d+)%\]", line)
+        if done and int(done.group(1)) // 10 > shown:
+            shown = int(done.group(1)) // 10
+            logger.info("llama.cpp build: %s%%", done.group(1))
+    if process.wait() != 0:
+        raise LlamaCppError(f"Building llama.cpp failed ({' '.join(command[:3])} ..., exit {process.returncode}):\n"
+                            f"{''.join(tail).strip()[-3000:]}")
 
 
 def start_server(binary: Path, gguf: Path, threads: int, slots: int, log: Path,
@@ -191,7 +206,9 @@ def start_server(binary: Path, gguf: Path, threads: int, slots: int, log: Path,
     raise LlamaCppError(f"llama-server did not answer /health within 120 s; its log: {log}")
 
 
-if __name__ == "__main__":  # `make llama-cpp`: the tools the export and its tests use, built once
+def main() -> None:
+    """`make llama-cpp`: the tools the export and its tests use, built once. (Called, not run with
+    `python -m`: the package's `__init__` imports this module first, and runpy would warn so.)"""
     from art_backend.config import BackendSettings
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
