@@ -19,9 +19,10 @@ ENGINE_TESTS := tests/test_grpo_learns.py tests/test_openai_api.py tests/test_en
 	tests/test_chat_families.py
 # The vLLM part (-m vllm, in .venv-vllm): the engine contract tests and the tests of what vLLM serves. Two workers
 # take a file at a time in this order (`--dist loadfile --no-loadscope-reorder`), the longest first (their seconds
-# here, 2026-12-03: 312, 200, 145, 124, 115, 106, 51, 49), so that neither is left with a long one at the end.
-VLLM_TESTS := tests/test_chat_families.py tests/test_grpo_learns.py tests/test_training_backend.py \
-	tests/test_engines.py tests/test_export.py tests/test_openai_api.py tests/test_sft.py tests/test_gpu_kit.py
+# here, 2026-12-03: 312, 200, 190, 145, 115, 51, 49; test_engines.py and test_openai_api.py are one unit, sharing
+# the embedded model's vLLM engine: tests/conftest.py), so that neither is left with a long one at the end.
+VLLM_TESTS := tests/test_chat_families.py tests/test_grpo_learns.py tests/test_engines.py tests/test_openai_api.py \
+	tests/test_training_backend.py tests/test_export.py tests/test_sft.py tests/test_gpu_kit.py
 # `make test-quick`: the tests that need no script, example or backend process of their own
 QUICK_TESTS := tests/test_training_units.py tests/test_tree_attention.py tests/test_chat_format.py tests/test_gather.py \
 	tests/test_client_settings.py tests/test_capture_openai_sdk.py tests/test_capture_warnings.py \

@@ -40,6 +40,27 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker.removeprefix("gw")) % len(cores)])
 
 
+# The files whose vLLM tests share the session's embedded-model vLLM engine (`embedded_vllm_engine`):
+# the vLLM part's `--dist loadfile` keeps them on one worker as one unit, so that engine starts once
+# (~40 s) instead of once on each worker. (`xdist_group` marks would say this, but pytest-xdist 3.8
+# ignores them under pytest 9.2: pytest-xdist#1386.)
+SHARED_VLLM_ENGINE_FILES = ("tests/test_engines.py", "tests/test_openai_api.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedEngineScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SHARED_VLLM_ENGINE_FILES[0] if path in SHARED_VLLM_ENGINE_FILES else path
+
+    return SharedEngineScheduling(config, log)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _ctrl_c_reaches_child_processes() -> None:
     """A shell without job control starts a background command (`make test &` in a script) with
