@@ -8,10 +8,11 @@ starts its own backend (`--engine torch`); on the vLLM engine a backend is start
 venv (`art-backend serve --engine vllm`) and the job trains through `--backend-url`. Each job gets
 a fresh art directory, so nothing resumes.
 
-Prints one row per job (seed, engine, base, trained, gain, the job's minutes as it reports them:
-on torch they include starting the backend, on vLLM not; and the job process's peak resident
-memory: on torch the whole job with its backend, on vLLM the job without it) and a summary per engine: the smallest and
-median gain, and how many seeds reached `--target`. With both engines, each seed's vLLM gain minus
+Prints one row per job (seed, engine, base, the score after an SFT step where the job starts with
+one (`-- --sft-demos N`), trained, gain, the job's minutes as it reports them: on torch they include
+starting the backend, on vLLM not; and the job process's peak resident memory: on torch the whole
+job with its backend, on vLLM the job without it) and a summary per engine: the smallest and median
+gain, and how many seeds reached `--target`. With both engines, each seed's vLLM gain minus
 its torch gain.
 
     .venv/bin/python benchmarks/bench_learning.py [--example city_facts] [--seeds 10] [--engines torch,vllm]
@@ -36,7 +37,8 @@ from pathlib import Path
 from art_integrations.backend import _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-SUMMARY = re.compile(r"held-out score: base (?P<base>[-\d.]+) -> trained (?P<trained>[-\d.]+) \([-+\d.]+\) "
+SUMMARY = re.compile(r"held-out score: base (?P<base>[-\d.]+) -> (?:after SFT (?P<sft>[-\d.]+) -> )?"
+                     r"trained (?P<trained>[-\d.]+) \([-+\d.]+\) "
                      r"in (?P<minutes>[\d.]+) min\npeak memory: (?P<peak>[\d.]+) GB")
 
 
@@ -48,6 +50,7 @@ class Run:
     trained: float
     minutes: float
     peak_gb: float
+    after_sft: float | None = None  # the held-out score after the job's SFT step (`-- --sft-demos N`)
 
     @property
     def gain(self) -> float:
@@ -92,7 +95,7 @@ def run_job(example: str, seed: int, engine: str, job_args: list[str], vllm_pyth
             assert process.stdout is not None
             for line in process.stdout:
                 lines.append(line.rstrip())
-                if line.startswith(("step ", "base model", "trained policy")):
+                if line.startswith(("step ", "base model", "trained policy", "SFT step", "after SFT")):
                     print(f"  {line.rstrip()}", flush=True)
     finally:
         if server is not None:
@@ -103,17 +106,22 @@ def run_job(example: str, seed: int, engine: str, job_args: list[str], vllm_pyth
     if process.returncode != 0 or match is None:
         tail = "\n".join(lines[-60:])
         raise SystemExit(f"seed {seed} on the {engine} engine failed (exit {process.returncode}):\n{tail}")
-    run = Run(seed, engine, float(match["base"]), float(match["trained"]), float(match["minutes"]), float(match["peak"]))
-    print(f"  held-out {run.base:.3f} -> {run.trained:.3f} ({run.gain:+.3f}) in {run.minutes:.1f} min, "
+    run = Run(seed, engine, float(match["base"]), float(match["trained"]), float(match["minutes"]),
+              float(match["peak"]), None if match["sft"] is None else float(match["sft"]))
+    sft = "" if run.after_sft is None else f"{run.after_sft:.3f} (SFT) -> "
+    print(f"  held-out {run.base:.3f} -> {sft}{run.trained:.3f} ({run.gain:+.3f}) in {run.minutes:.1f} min, "
           f"peak {run.peak_gb:.2f} GB", flush=True)
     return run
 
 
 def print_table(runs: list[Run], engines: list[str], target: float) -> None:
-    print(f"\n{'seed':>4} {'engine':>7} {'base':>6} {'trained':>8} {'gain':>7} {'minutes':>8} {'peak GB':>8}")
+    sft = any(r.after_sft is not None for r in runs)  # a column for the held-out score after the SFT step
+    print(f"\n{'seed':>4} {'engine':>7} {'base':>6}" + (f" {'after SFT':>9}" if sft else "")
+          + f" {'trained':>8} {'gain':>7} {'minutes':>8} {'peak GB':>8}")
     for run in runs:
-        print(f"{run.seed:>4} {run.engine:>7} {run.base:>6.3f} {run.trained:>8.3f} {run.gain:>+7.3f} {run.minutes:>8.1f} "
-              f"{run.peak_gb:>8.2f}")
+        after_sft = "" if not sft else f" {'-' if run.after_sft is None else f'{run.after_sft:.3f}':>9}"
+        print(f"{run.seed:>4} {run.engine:>7} {run.base:>6.3f}{after_sft} {run.trained:>8.3f} {run.gain:>+7.3f} "
+              f"{run.minutes:>8.1f} {run.peak_gb:>8.2f}")
     print(f"\n{'engine':>7} {'seeds':>5} {'min gain':>9} {'median gain':>12} {f'gain >= {target:+.2f}':>14} "
           f"{'median min':>11}")
     for engine in engines:

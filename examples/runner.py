@@ -1,4 +1,6 @@
 """The loop every example shares: score held-out scenarios, train GRPO steps, score again, plot.
+With `--sft-demos N` (an example that has demonstrations) one SFT step on N of them comes first,
+and the held-out score after it is printed too: base -> after SFT -> after RL.
 
 An example describes itself with an `Example` (its scenarios, how one rollout runs on a
 served model, which metrics to show) and gets two commands from this module:
@@ -31,6 +33,7 @@ from art_integrations import (
     RemoteBackend,
     TrainableModel,
     TrainConfig,
+    TrainSFTConfig,
     Trajectory,
     TrajectoryGroup,
     gather_trajectory_groups,
@@ -99,6 +102,8 @@ class Example:
     temperature: float = 1.0  # training rollouts are sampled at this (held-out scoring is greedy)
     scale_rewards: bool = True  # divide each group's advantages by its reward std
     max_tokens: int = 64
+    # a scripted expert's conversations on the given scenarios, for `--sft-demos` (None: the example has none)
+    demonstrations: Callable[[Sequence[Any]], list[Trajectory]] | None = None
 
 
 def common_arguments(example: Example, description: str | None) -> argparse.ArgumentParser:
@@ -176,9 +181,13 @@ def plot_history(history: list[dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [(r["step"], r["reward/mean"]) for r in history if r["split"] == "train"]
+    # an SFT step's record has its loss, not a reward: it is drawn as a line at its step
+    sft = [r["step"] for r in history if r.get("kind") == "sft"]
+    train = [(r["step"], r["reward/mean"]) for r in history if r["split"] == "train" and r.get("kind") != "sft"]
     val = [(r["step"], r["reward/mean"]) for r in history if r["split"] == "val"]
     figure, axis = plt.subplots(figsize=(6, 3.5))
+    for i, step in enumerate(sft):
+        axis.axvline(step, color="gray", linestyle=":", label="SFT step" if i == 0 else None)
     if train:
         axis.plot(*zip(*train), marker=".", label="train reward (rollouts)")
     if val:
@@ -187,7 +196,7 @@ def plot_history(history: list[dict[str, Any]], path: Path, title: str) -> None:
     axis.set_ylabel("reward")
     axis.set_ylim(0, 1)
     axis.legend()
-    axis.set_title(f"{title}, GRPO")
+    axis.set_title(f"{title}, {'SFT, then ' if sft else ''}GRPO")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -223,19 +232,38 @@ def no_signal_note(step: int, quiet_steps: int) -> str:
             "--temperature), or give partial credit in the reward.")
 
 
+async def warm_start(example: Example, model: TrainableModel, args: argparse.Namespace) -> None:
+    """One SFT step on `--sft-demos` demonstrations from training scenarios (drawn apart from the
+    GRPO steps' by their own seed), each seen `--sft-epochs` times."""
+    assert example.demonstrations is not None
+    demonstrations = example.demonstrations(example.scenarios("train", args.sft_demos, 10_000 + args.seed))
+    result = await model.train_sft(demonstrations * args.sft_epochs,
+                                   TrainSFTConfig(learning_rate=args.sft_learning_rate))
+    print(f"SFT step {result.step}: {len(demonstrations)} demonstrations x {args.sft_epochs} epochs, "
+          f"loss {result.metrics.get('loss', float('nan')):.3f}, {result.metrics.get('seconds', 0):.0f} s", flush=True)
+
+
 async def train(example: Example, args: argparse.Namespace) -> None:
     started = time.perf_counter()
     held_out = example.scenarios("val", args.held_out, 0)
     scenarios = example.scenarios("train", args.steps * args.scenarios_per_step, args.seed)
+    sft_steps = 1 if args.sft_demos else 0  # the checkpoint the SFT step makes comes before the GRPO steps
+    if args.sft_demos and example.demonstrations is None:
+        raise SystemExit(f"--sft-demos: the {example.title} example has no demonstrations to start from")
     async with open_backend(args) as backend:
         model = TrainableModel(name=args.name or f"{example.model_prefix}-s{args.seed}", project=example.project)
         await model.register(backend)
         base = await held_out_score(example, model, 0, held_out, args.max_tokens, "base model")
+        after_sft = None
+        if sft_steps:
+            if await model.get_step() == 0:
+                await warm_start(example, model, args)
+            after_sft = await held_out_score(example, model, 1, held_out, args.max_tokens, "after SFT")
         policy = Policy(f"{backend.base_url}/v1", model.inference_name, temperature=args.temperature,
                         max_tokens=args.max_tokens)
         after_each = ruler_after_each(backend, args) if args.ruler else None
         quiet_steps = 0  # steps in a row in which no group had signal
-        for step in range(await model.get_step(), args.steps):
+        for step in range(await model.get_step() - sft_steps, args.steps):
             batch = scenarios[step * args.scenarios_per_step:(step + 1) * args.scenarios_per_step]
             groups = await gather_trajectory_groups(
                 [trajectory_group(seeded_rollouts(example, policy, s, args.seed, step, i), n=args.rollouts,
@@ -257,7 +285,8 @@ async def train(example: Example, args: argparse.Namespace) -> None:
         directory.mkdir(parents=True, exist_ok=True)  # a backend elsewhere keeps its checkpoints there
         plot_history(await model.history(), directory / "learning_curve.png", example.title)
         in_own_process = isinstance(backend, LocalBackend) and backend.pid is not None
-    print(f"\nheld-out score: base {base:.3f} -> trained {trained:.3f} ({trained - base:+.3f}) "
+    sft_part = "" if after_sft is None else f"after SFT {after_sft:.3f} -> "
+    print(f"\nheld-out score: base {base:.3f} -> {sft_part}trained {trained:.3f} ({trained - base:+.3f}) "
           f"in {(time.perf_counter() - started) / 60:.1f} min")
     # the backend's own process has exited and been waited for: its peak is the children's
     backend_peak = peak_resident_gb(resource.RUSAGE_CHILDREN) if in_own_process else None
@@ -303,6 +332,10 @@ def train_main(example: Example, description: str | None = None) -> None:
     parser.add_argument("--judge-base-url", default=None, help="RULER judge endpoint (…/v1); default: the base model")
     parser.add_argument("--judge-model", default=None)
     parser.add_argument("--judge-api-key", default="unused")
+    parser.add_argument("--sft-demos", type=int, default=0, help="first one SFT step on this many demonstrations "
+                        "(a scripted expert's, where the example has one), then the GRPO steps")
+    parser.add_argument("--sft-epochs", type=int, default=2, help="times each demonstration is seen in the SFT step")
+    parser.add_argument("--sft-learning-rate", type=float, default=5e-4)
     asyncio.run(train(example, parser.parse_args()))
 
 

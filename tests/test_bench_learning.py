@@ -18,3 +18,16 @@ def test_a_seed_at_the_edge_of_a_target_counts_as_reaching_it(capsys) -> None:
     assert "seed 0 -0.050, seed 1 +0.204, seed 2 -0.071; seeds within 0.05 or above: 2/3" in out
     torch_row = next(line for line in out.splitlines() if line.strip().startswith("torch"))
     assert torch_row.split()[4] == "3/3"  # seed 1's 0.571 - 0.271 reaches the +0.30 target
+
+
+def test_a_job_that_starts_with_sft_gets_its_score_after_the_sft_step_in_a_column(capsys) -> None:
+    from bench_learning import SUMMARY
+
+    line = ("held-out score: base 0.271 -> after SFT 0.512 -> trained 0.604 (+0.333) in 6.1 min\n"
+            "peak memory: 2.61 GB resident (backend 2.40 GB, agent and capture 0.21 GB: two processes, each at its peak)")
+    match = SUMMARY.search(line)
+    assert match is not None and (match["base"], match["sft"], match["trained"]) == ("0.271", "0.512", "0.604")
+    assert SUMMARY.search(line.replace("after SFT 0.512 -> ", ""))["sft"] is None
+    print_table([Run(0, "torch", 0.271, 0.604, 6.1, 2.61, after_sft=0.512)], ["torch"], target=0.2)
+    header, row = capsys.readouterr().out.strip().splitlines()[:2]
+    assert header.split()[3:5] == ["after", "SFT"] and row.split()[3] == "0.512"

@@ -226,3 +226,37 @@ def test_train_with_ruler_scores_or_drops_each_group(tmp_path: Path, tiny_engine
     else:
         assert "metrics/independent_reward" in (model_dir / "history.jsonl").read_text()
     assert "held-out score: base" in out
+
+
+def test_the_experts_demonstrations_do_the_job_with_the_agents_tools() -> None:
+    """Each demonstration is the agent's conversation done right: the task's own reward gives it
+    full marks, read back from its messages as the rollouts' are."""
+    from langchain_core.messages import convert_to_messages
+
+    from examples.email_search.agent import SYSTEM_PROMPT
+    from examples.email_search.expert import demonstrations
+
+    picked = scenarios("train", 24, 7)
+    for scenario, demonstration in zip(picked, demonstrations(picked)):
+        messages = demonstration.messages_and_choices
+        assert messages[0] == {"role": "system", "content": SYSTEM_PROMPT}
+        assert [t["function"]["name"] for t in demonstration.tools or []] == [
+            t.name for t in inbox_tools(scenario.inbox)]
+        episode = episode_from(convert_to_messages(messages[1:]))
+        assert score(scenario, episode)["reward"] == 1.0, (scenario, episode)
+
+
+def test_an_sft_warm_start_trains_the_demonstrations_then_the_grpo_steps(tmp_path: Path, tiny_engine: Any) -> None:
+    with training_server(tiny_engine, tmp_path) as backend:
+        out = run_example("examples.email_search.train", *STEP, "--sft-demos", "2", "--art-dir", str(tmp_path),
+                          "--backend-url", backend.base_url)
+    assert "SFT step 1: 2 demonstrations x 2 epochs" in out
+    assert "after SFT held-out score (step 1): " in out and "step 1/1:" in out
+    assert "trained policy held-out score (step 2): " in out
+    assert " -> after SFT " in out.split("held-out score: base", 1)[1].splitlines()[0]
+    history = [json.loads(line) for line in
+               (tmp_path / "email-search" / "models" / "email-agent-s0" / "history.jsonl").read_text().splitlines()]
+    sft = next(r for r in history if r.get("kind") == "sft")
+    # the expert's messages carry no token ids: rendered with the served model's template, as serving would
+    assert (sft["step"], sft["trajectories"], sft["histories/rendered"]) == (1, 4, 4)
+    assert [r["step"] for r in history if r["split"] == "train"] == [1, 2]

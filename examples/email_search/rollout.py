@@ -9,6 +9,7 @@ from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 
 from art_integrations import Trajectory, art_capture
 from examples.email_search.agent import build_agent, inbox_tools
+from examples.email_search.expert import demonstrations
 from examples.email_search.task import Episode, Scenario, scenarios, score
 from examples.runner import Example, Policy
 
@@ -54,4 +55,5 @@ EXAMPLE = Example(
     rollout=rollout,
     metrics=("answer_right", "cited_source", "read_email"),
     max_tokens=96,
+    demonstrations=demonstrations,
 )
