@@ -126,7 +126,8 @@ def test_the_job_says_so_after_three_steps_without_signal(tmp_path: Path, capsys
     args = argparse.Namespace(steps=4, scenarios_per_step=1, rollouts=2, learning_rate=1e-3, temperature=1.0,
                               scale_rewards=True, seed=0,
                               name=None, ruler=False, model="tiny-random-smollm2", engine="torch", backend_url=None,
-                              art_dir=str(tmp_path), held_out=1, max_tokens=8)
+                              art_dir=str(tmp_path), held_out=1, max_tokens=8, sft_demos=0, sft_epochs=2,
+                              sft_learning_rate=5e-4)
     asyncio.run(train(example, args))
     lines = capsys.readouterr().out.splitlines()
     steps = [line for line in lines if line.startswith("step ")]
