@@ -12,6 +12,7 @@ Tools are built with cmake and a C++ compiler (CPU, static; a few minutes on 2 c
 from __future__ import annotations
 
 import ast
+import collections
 import logging
 import os
 import re
@@ -168,10 +169,10 @@ def _run_showing_progress(command: list[str]) -> None:
     output's tail goes into the error if it fails."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert process.stdout is not None
-    tail: list[str] = []
+    tail: collections.deque[str] = collections.deque(maxlen=60)
     shown = -1
     for line in process.stdout:
-        tail = (tail + [line])[-60:]
+        tail.append(line)
         done = re.match(r"\[\s*(\d+)%\]", line)
         if done and int(done.group(1)) // 10 > shown:
             shown = int(done.group(1)) // 10
