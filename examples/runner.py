@@ -336,7 +336,11 @@ def train_main(example: Example, description: str | None = None) -> None:
                         "(a scripted expert's, where the example has one), then the GRPO steps")
     parser.add_argument("--sft-epochs", type=int, default=2, help="times each demonstration is seen in the SFT step")
     parser.add_argument("--sft-learning-rate", type=float, default=5e-4)
-    asyncio.run(train(example, parser.parse_args()))
+    args = parser.parse_args()
+    if args.sft_demos < 0 or args.sft_epochs < 1:
+        parser.error(f"--sft-demos {args.sft_demos} --sft-epochs {args.sft_epochs}: demonstrations are counted from 0 "
+                     "(0: no SFT step), epochs from 1")
+    asyncio.run(train(example, args))
 
 
 # ---------------------------------------------------------------------------------------------

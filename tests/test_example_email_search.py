@@ -260,3 +260,12 @@ def test_an_sft_warm_start_trains_the_demonstrations_then_the_grpo_steps(tmp_pat
     # the expert's messages carry no token ids: rendered with the served model's template, as serving would
     assert (sft["step"], sft["trajectories"], sft["histories/rendered"]) == (1, 4, 4)
     assert [r["step"] for r in history if r["split"] == "train"] == [1, 2]
+
+
+def test_a_negative_demonstration_count_is_refused_by_name() -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "examples.email_search.train", "--sft-demos", "-2"],
+                            capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 2 and "--sft-demos -2" in result.stderr and "counted from 0" in result.stderr
