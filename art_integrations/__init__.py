@@ -7,6 +7,11 @@ too (`Model`, `TrainableModel`, `Trajectory`, `TrajectoryGroup`, `TrainConfig`, 
 `import art_integrations as art` ([Coming from ART](../art.md) in the docs).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from art_integrations import dev
 from art_integrations.capture import art_capture, current_capture, current_trajectory, no_capture, trajectory
 from art_integrations.gather import (
@@ -16,14 +21,23 @@ from art_integrations.gather import (
     gather_trajectory_groups,
     trajectory_group,
 )
-from art_integrations.backend import Backend, BackendError, LocalBackend, RemoteBackend
 from art_integrations.dataset import DatasetBatch, iterate_dataset
-from art_integrations.model import Model, TrainableModel, TrainResult
 from art_integrations.ray_rollouts import RayRollouts  # imports Ray only when a gather first uses it
 from art_integrations.retry import retry
 from art_integrations.dev import LoRAConfig  # ART 0.5.23's adapter settings, for TrainableModel(lora_config=...)
 from art_integrations.training import LoraConfig, TrainConfig, TrainSFTConfig
 from art_integrations.trajectory import Choice, History, Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from art_integrations.backend import Backend, BackendError, LocalBackend, RemoteBackend
+    from art_integrations.model import Model, TrainableModel, TrainResult
+
+# The backend clients load the openai SDK (~1 s): imported on first use (PEP 562), so that a process
+# needing only the data types above (the backend itself: trajectories, train configs) goes without.
+_ON_FIRST_USE = {
+    **dict.fromkeys(["Backend", "BackendError", "LocalBackend", "RemoteBackend"], "art_integrations.backend"),
+    **dict.fromkeys(["Model", "TrainableModel", "TrainResult"], "art_integrations.model"),
+}
 
 __version__ = "0.1.0"
 __all__ = [
@@ -92,6 +106,14 @@ _ART_ONLY = {
 
 
 def __getattr__(name: str) -> object:
+    if name in _ON_FIRST_USE:
+        value = getattr(importlib.import_module(_ON_FIRST_USE[name]), name)
+        globals()[name] = value  # looked up once
+        return value
     if name in _ART_ONLY:
         raise AttributeError(f"art_integrations has no {name!r} (an ART name): {_ART_ONLY[name]}")
     raise AttributeError(f"module 'art_integrations' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

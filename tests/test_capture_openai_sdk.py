@@ -18,7 +18,7 @@ import art_integrations as art
 from art_integrations import Trajectory, art_capture, capture
 from art_integrations.langchain import ARTCallbackHandler, ChatART
 from art_integrations.llamaindex import ARTLLM
-from art_integrations.openai_capture import BACKEND_HEADER
+from art_integrations.wire import BACKEND_HEADER
 from tests.conftest import ServerThread
 
 MODEL = "tiny-random-smollm2"

@@ -17,7 +17,8 @@ import pytest
 from art_backend.server import create_app
 
 from art_integrations import Trajectory, art_capture, capture
-from art_integrations.transports import TOKEN_LOGPROBS_HEADER, patching
+from art_integrations.transports import patching
+from art_integrations.wire import TOKEN_LOGPROBS_HEADER
 from tests.clients.http_calls import CLIENTS, Received, installed, send
 from tests.conftest import ServerThread
 

@@ -31,6 +31,21 @@ def test_client_package_imports_without_ray_and_says_which_extra_the_runner_need
     assert 'RayRollouts needs Ray' in result.stdout and 'pip install "art-integrations[ray]"' in result.stdout
 
 
+def test_the_backend_imports_only_the_clients_data_types_and_every_public_name_resolves() -> None:
+    """The backend's server loads the client's trajectory and config types, not its HTTP clients or
+    the openai SDK (a second a start); the names it leaves unloaded still resolve on first use."""
+    code = ("import sys, art_backend.app, art_integrations\n"
+            "assert 'openai' not in sys.modules and 'art_integrations.backend' not in sys.modules, 'loaded'\n"
+            "missing = [name for name in art_integrations.__all__ if getattr(art_integrations, name, None) is None]\n"
+            "assert not missing, missing\n"
+            "assert art_integrations.trajectory.__module__ == 'art_integrations.capture'  # the function\n"
+            "assert set(art_integrations.__all__) <= set(dir(art_integrations))\n"
+            "print(art_integrations.LocalBackend.__module__)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "art_integrations.backend"
+
+
 def test_a_directory_without_a_model_is_refused_with_the_fix(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFoundError, match="save_pretrained"):
         resolve_model_dir(str(tmp_path), tmp_path / "cache")

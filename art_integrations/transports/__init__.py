@@ -29,11 +29,6 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from art_integrations.transports.core import (
-    BACKEND_HEADER,
-    TOKEN_LOGPROBS_HEADER,
-)
-
 logger = logging.getLogger(__name__)
 
 # client module -> the adapter module that wraps it (`install(client_module)`)
@@ -104,4 +99,4 @@ def install() -> None:
         sys.meta_path.insert(0, _hook)
 
 
-__all__ = ["ADAPTERS", "BACKEND_HEADER", "TOKEN_LOGPROBS_HEADER", "install"]
+__all__ = ["ADAPTERS", "install"]

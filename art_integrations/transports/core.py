@@ -4,9 +4,9 @@ backends, and how a reply becomes the trajectory's `ModelCall`s.
 An adapter (one per client library, beside this module) calls `begin()` for each request it
 sends inside a capture; `None` means "not a generation request, pass it by" (the common case
 costs a path check). For a generation, `Exchange.ask_tokens` says whether to add
-`TOKEN_LOGPROBS_HEADER`: only to a server already known to be a backend, so that a request to
+`wire.TOKEN_LOGPROBS_HEADER`: only to a server already known to be a backend, so that a request to
 any other server leaves exactly as the agent wrote it. Whether a reply is recorded is decided by
-the reply itself (`Exchange.answered`: a 200 carrying `BACKEND_HEADER`), which is also how a
+the reply itself (`Exchange.answered`: a 200 carrying `wire.BACKEND_HEADER`), which is also how a
 server becomes known as a backend, unless a backend client said so first (`known_backend`: a
 `RemoteBackend` or `LocalBackend` knows its URL). A first call to a backend no one named goes
 out untouched: its reply still carries the token ids (the backend sends them unless told not
@@ -25,8 +25,6 @@ from urllib.parse import urlsplit
 from art_integrations.capture import CaptureScope
 from art_integrations.transports.replies import CHAT, COMPLETIONS, RESPONSES, calls_from_reply
 
-BACKEND_HEADER = "x-art-backend"  # on every generated answer of an art-backend
-TOKEN_LOGPROBS_HEADER = "x-art-token-logprobs"  # asks a backend for each token's logprob beside its id
 EVENT_STREAM = "text/event-stream"
 
 # origin ("http://host:port") -> whether its generated replies carried BACKEND_HEADER. Only used to decide

@@ -58,7 +58,7 @@ from art_backend.protocol import (
 )
 from art_backend import completions
 from art_backend.responses import ResponsesRequest, chat_request, from_completion, stream_events
-from art_integrations.openai_capture import BACKEND_HEADER, TOKEN_LOGPROBS_HEADER
+from art_integrations.wire import BACKEND_HEADER, TOKEN_LOGPROBS_HEADER
 
 logger = logging.getLogger(__name__)
 

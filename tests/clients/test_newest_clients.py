@@ -16,7 +16,7 @@ import pytest
 from http_calls import CLIENTS, Received, installed, send
 
 from art_integrations import Trajectory, art_capture
-from art_integrations.transports import TOKEN_LOGPROBS_HEADER
+from art_integrations.wire import TOKEN_LOGPROBS_HEADER
 
 MODEL = "tiny-random-smollm2"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
