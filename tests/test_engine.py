@@ -17,13 +17,14 @@ import torch
 import torch.utils.cpp_extension
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
-from art_backend.engine.base import GenerationRequest, ModelNotServedError, SamplingParams
+from art_backend.engine.base import GenerationRequest, SamplingParams
 from art_backend.engine.cpu_kernels import (build_directory, cannot_build, compiler, load_cpu_kernels,
                                            openmp_refused, vector_build)
 from art_backend.engine.exact_groups import as_exact_groups
 from art_backend.engine.llama import KV_GROWTH_TOKENS, LORA_TARGETS, PROJECTIONS, KVCache, LeanLlama, LoraWeights
 from art_backend.engine.sampling import RowSampling, gumbel_argmax, sample
 from art_backend.engine.torch_engine import TorchEngine
+from art_backend.errors import ModelNotServedError
 from tests.conftest import random_adapter
 
 

@@ -22,8 +22,9 @@ from transformers import AutoModelForCausalLM
 from art_backend.app import build_engine, choose_engine
 from art_backend.chat_format import ChatFormatter, encode_prompt
 from art_backend.config import BackendSettings
-from art_backend.engine.base import Engine, GenerationRequest, ModelNotServedError, SamplingParams
+from art_backend.engine.base import Engine, GenerationRequest, SamplingParams
 from art_backend.engine.sampling import Penalties, RowSampling, gumbel_argmax, truncate
+from art_backend.errors import ModelNotServedError
 from art_backend.grammar import json_grammar
 from art_integrations import LocalBackend
 from art_integrations.training import LoraConfig

@@ -16,6 +16,7 @@ from typing import Any
 
 import jinja2
 
+from art_backend.errors import ChatFormatError
 from art_backend.grammar import tool_call_grammar
 from art_backend.tool_formats import (
     REASONING_PARSERS,
@@ -36,10 +37,6 @@ _FUNCTION_SHAPE = "{'type': 'function', 'function': {'name': ..., ...}}"
 _RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
                                       "documents", "tokenize", "raise_exception", "strftime_now", "loop",
                                       "namespace", "range", "dict", "cycler", "joiner", "lipsum"})
-
-
-class ChatFormatError(ValueError):
-    """A request's messages, tools, tool_choice or template arguments cannot be rendered."""
 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:

@@ -23,21 +23,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from art_backend.continuation import encode_prompt
-from art_backend.engine.base import (
-    ContextLengthError,
-    GenerationRequest,
-    ModelNotServedError,
-    SequenceDelta,
-    TokenLogprob,
-)
-from art_backend.protocol import (
-    NOT_IMPLEMENTED,
-    StreamOptions,
-    UnsupportedFeatureError,
-    error_body,
-    now,
-    refuse_lone_surrogates,
-)
+from art_backend.engine.base import GenerationRequest, SequenceDelta, TokenLogprob
+from art_backend.errors import ContextLengthError, ModelNotServedError, UnsupportedFeatureError, error_body
+from art_backend.protocol import NOT_IMPLEMENTED, StreamOptions, now, refuse_lone_surrogates
 
 if TYPE_CHECKING:
     from art_backend.server import ChatService

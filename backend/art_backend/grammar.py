@@ -18,11 +18,8 @@ from typing import Any
 import llguidance
 import llguidance.hf
 
+from art_backend.errors import GrammarError
 from art_backend.tool_formats.base import CallMarkup
-
-
-class GrammarError(ValueError):
-    pass
 
 
 # json.dumps's layout, the one chat_format renders tool calls with: a call the model made then

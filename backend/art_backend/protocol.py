@@ -34,10 +34,6 @@ NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cach
                        "prediction"})
 
 
-class UnsupportedFeatureError(ValueError):
-    """A request asks for something this server does not do (a 400 naming it)."""
-
-
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -225,7 +221,3 @@ def completion_id() -> str:
 
 def now() -> int:
     return int(time.time())
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: int | str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -21,7 +21,8 @@ from typing import Any, Literal
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from art_backend.protocol import ChatCompletionRequest, UnsupportedFeatureError, now, refuse_lone_surrogates
+from art_backend.errors import UnsupportedFeatureError
+from art_backend.protocol import ChatCompletionRequest, now, refuse_lone_surrogates
 from art_integrations.responses_items import UnsupportedItemError, chat_tool, input_messages
 
 # Responses fields that need what this server does not have (stored responses, hosted prompts,

@@ -29,33 +29,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from art_backend.chat_format import ChatFormatError, Prompt, ReplyStream
+from art_backend.chat_format import Prompt, ReplyStream
 from art_backend.tool_formats import ParsedOutput
 from art_backend.continuation import DEFAULT_BUDGET_BYTES, TokenContinuations
-from art_backend.engine.base import (
-    ContextLengthError,
-    Engine,
-    GenerationRequest,
-    InvalidSamplingError,
-    ModelNotServedError,
-    SamplingParams,
-    SequenceDelta,
-    TokenLogprob,
-)
-from art_backend.export import ExportError, ExportSpaceError
-from art_backend.grammar import GrammarError, json_grammar
+from art_backend.engine.base import Engine, GenerationRequest, SamplingParams, SequenceDelta, TokenLogprob
+from art_backend.errors import (ContextLengthError, ModelNotServedError, ServiceError, UnsupportedFeatureError,
+                                error_body)
+from art_backend.grammar import json_grammar
 from art_backend.training.routes import training_router
-from art_backend.training.checkpoints import DamagedCheckpointError
-from art_backend.training.service import BaseModelMismatchError, TrainingRequestError, TrainingService, UnknownModelError
-from art_backend.training.sync import StorageError, SyncRefused
-from art_backend.protocol import (
-    ChatCompletionRequest,
-    TokenRecordsRequest,
-    UnsupportedFeatureError,
-    completion_id,
-    error_body,
-    now,
-)
+from art_backend.training.service import TrainingService
+from art_backend.protocol import ChatCompletionRequest, TokenRecordsRequest, completion_id, now
 from art_backend import completions
 from art_backend.responses import ResponsesRequest, chat_request, from_completion, stream_events
 from art_integrations.wire import BACKEND_HEADER, TOKEN_LOGPROBS_HEADER
@@ -511,40 +494,10 @@ def create_app(engine: Engine, api_key: str | None = None, close_engine_on_shutd
         message, param = _validation_message(error)
         return JSONResponse(error_body(message, "BadRequestError", param, 422), status_code=422)
 
-    @app.exception_handler(ModelNotServedError)
-    async def on_unknown_model(_: Request, error: ModelNotServedError) -> JSONResponse:
-        return JSONResponse(error_body(str(error), "NotFoundError", "model", 404), status_code=404)
-
-    @app.exception_handler(ContextLengthError)
-    async def on_too_long(_: Request, error: ContextLengthError) -> JSONResponse:
-        return JSONResponse(error_body(str(error), "BadRequestError", "messages", 400), status_code=400)
-
-    @app.exception_handler(DamagedCheckpointError)
-    @app.exception_handler(BaseModelMismatchError)
-    async def on_conflict(_: Request, error: DamagedCheckpointError | BaseModelMismatchError) -> JSONResponse:
-        return JSONResponse(error_body(str(error), "ConflictError", None, 409), status_code=409)
-
-    @app.exception_handler(UnknownModelError)
-    async def on_unknown_trained_model(_: Request, error: UnknownModelError) -> JSONResponse:
-        return JSONResponse(error_body(str(error), "NotFoundError", "name", 404), status_code=404)
-
-    @app.exception_handler(StorageError)
-    async def on_storage(_: Request, error: StorageError) -> JSONResponse:
-        return JSONResponse(error_body(str(error), "StorageError", "url", 502), status_code=502)
-
-    @app.exception_handler(ExportSpaceError)
-    async def on_full_disk(_: Request, error: ExportSpaceError) -> JSONResponse:
-        return JSONResponse(error_body(str(error), "InsufficientStorageError", "out", 507), status_code=507)
-
-    @app.exception_handler(ExportError)
-    @app.exception_handler(ChatFormatError)
-    @app.exception_handler(GrammarError)
-    @app.exception_handler(InvalidSamplingError)
-    @app.exception_handler(TrainingRequestError)
-    @app.exception_handler(SyncRefused)
-    @app.exception_handler(UnsupportedFeatureError)
-    async def on_bad_request(_: Request, error: Exception) -> JSONResponse:
-        return JSONResponse(error_body(str(error), "BadRequestError", None, 400), status_code=400)
+    @app.exception_handler(ServiceError)
+    async def on_service_error(_: Request, error: ServiceError) -> JSONResponse:
+        # every refusal's answer is its class's (errors.py), so a new kind needs no handler here
+        return JSONResponse(error.body(), status_code=error.status_code)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: Request, error: StarletteHTTPException) -> JSONResponse:

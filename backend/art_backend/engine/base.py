@@ -68,31 +68,6 @@ class SequenceDelta:
     finish_reason: str | None = None  # "stop" | "length" once finished
 
 
-class ModelNotServedError(LookupError):
-    @classmethod
-    def unknown(cls, model: str, served: list[str]) -> ModelNotServedError:
-        return cls(f"The model `{model}` does not exist. Served models: {', '.join(served)}.")
-
-
-class ContextLengthError(ValueError):
-    @classmethod
-    def over(cls, limit: int, prompt_tokens: int, completion_tokens: int) -> ContextLengthError:
-        return cls(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the messages, {completion_tokens} "
-            "in the completion). Shorten the messages or lower max_tokens."
-        )
-
-    @classmethod
-    def text_over(cls, limit: int, characters: int) -> ContextLengthError:
-        return cls(f"This model's maximum context length is {limit} tokens. However, the messages are {characters} "
-                   f"characters, more than {limit} tokens can hold. Shorten the messages.")
-
-
-class InvalidSamplingError(ValueError):
-    """Sampling settings the engine refuses (the message says which and why): a 400, not a 500."""
-
-
 def end_of_turn_ids(tokenizer: Any, generation_eos: int | list[int] | None) -> set[int]:
     """The tokens that end a reply: the tokenizer's EOS, the model's generation-config EOS ids, and
     ChatML's `<|im_end|>` where the vocabulary has it (some ChatML models name another EOS)."""

@@ -33,21 +33,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from art_backend.chat_format import ChatFormatter
 from art_backend.config import PREFIX_CACHE_BYTES, PREFIX_CACHE_IDLE_SECONDS
-from art_backend.engine.base import (
-    ContextLengthError,
-    GenerationRequest,
-    InvalidSamplingError,
-    ModelNotServedError,
-    SequenceDelta,
-    TokenLogprob,
-    end_of_turn_ids,
-    is_base_model,
-)
+from art_backend.engine.base import GenerationRequest, SequenceDelta, TokenLogprob, end_of_turn_ids, is_base_model
 from art_backend.engine.host_memory import return_freed_memory_to_os, reusing_freed_memory
 from art_backend.engine.llama import LORA_TARGETS, LeanLlama, LoraWeights
 from art_backend.engine.sampling import Penalties, RowSampling, sample
+from art_backend.errors import ContextLengthError, DamagedCheckpointError, InvalidSamplingError, ModelNotServedError
 from art_backend.grammar import Constrainer, GrammarError
-from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.tokenize import TrainSequence
 from art_integrations.training import LoraConfig, TrainConfig
 

@@ -38,22 +38,13 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from art_backend.chat_format import ChatFormatter
-from art_backend.engine.base import (
-    ContextLengthError,
-    GenerationRequest,
-    InvalidSamplingError,
-    ModelNotServedError,
-    SequenceDelta,
-    TokenLogprob,
-    end_of_turn_ids,
-    is_base_model,
-)
+from art_backend.engine.base import GenerationRequest, SequenceDelta, TokenLogprob, end_of_turn_ids, is_base_model
 from art_backend.engine.host_memory import return_freed_memory_to_os
 from art_backend.engine.sampling import LOWEST_LOGPROB
 from art_backend.engine import vllm_worker
+from art_backend.errors import ContextLengthError, DamagedCheckpointError, InvalidSamplingError, ModelNotServedError
 from art_backend.grammar import Constrainer, GrammarError
 from art_backend.tool_formats.vllm_parsers import use_vllm_parsers
-from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.tokenize import TrainSequence
 from art_backend.training.trainer import LoraTrainer, load_trainable_model
 from art_integrations.training import LoraConfig, TrainConfig

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from art_backend.durable import fsync_directory, fsync_tree
+from art_backend.errors import ExportError, ExportSpaceError
 from art_backend.export import llama_cpp, ollama
 from art_backend.model_store import EMBEDDED_HUB_ID, EMBEDDED_MODEL_NAME, looks_like_path
 from art_backend.training.checkpoints import STEP_STAGING_PREFIX, ModelFiles, checkpoint_problem
@@ -37,14 +38,6 @@ DEFAULT_GGUF_QUANT = "f16"
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 _FULL_DISK = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _FULL_DISK_WORDS = ("No space left on device", "Disk quota exceeded", "File too large")
-
-
-class ExportError(ValueError):
-    """The export was refused or failed; nothing was left at the target. The message says why and what to do."""
-
-
-class ExportSpaceError(ExportError):
-    """The disk filled up while writing the export (nothing was left at the target)."""
 
 
 @dataclass(frozen=True)

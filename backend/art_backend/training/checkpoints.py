@@ -42,10 +42,6 @@ STEP_STAGING_PREFIX, _DELETING, _DAMAGED = ".step-", ".deleting-", ".damaged-"
 CHECKPOINT_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt")
 
 
-class DamagedCheckpointError(ValueError):
-    """A stored checkpoint does not load: the model cannot continue from it as it is."""
-
-
 def checkpoint_problem(path: Path) -> str | None:
     """What keeps the checkpoint at `path` from loading (the file and the error), or None."""
     for name in CHECKPOINT_FILES:

@@ -23,28 +23,16 @@ from art_backend.chat_format import ChatFormatter
 from art_backend.config import default_cache_dir
 from art_backend.durable import write_atomically
 from art_backend.engine.base import Engine, is_base_model
+from art_backend.errors import BaseModelMismatchError, DamagedCheckpointError, TrainingRequestError, UnknownModelError
 from art_backend.kill_points import kill_point
 from art_backend.training import sync
-from art_backend.training.checkpoints import DamagedCheckpointError, ModelFiles, checkpoint_problem
+from art_backend.training.checkpoints import ModelFiles, checkpoint_problem
 from art_backend.training.sft import Renderer, SFTRequestError, plan_sft
 from art_backend.training.tokenize import TokenizeStats, TrainSequence, tokenize_trajectory
 from art_integrations.training import LoraConfig, TrainConfig, TrainSFTConfig
 from art_integrations.trajectory import Trajectory, TrajectoryGroup
 
 logger = logging.getLogger(__name__)
-
-
-class TrainingRequestError(ValueError):
-    pass
-
-
-class UnknownModelError(LookupError):
-    pass
-
-
-class BaseModelMismatchError(ValueError):
-    """A model asked to be trained on a base this backend does not serve (a 409: the backend's state, not
-    the request, is what differs)."""
 
 
 def group_advantages(rewards: list[float], scale: bool) -> list[float] | None:

@@ -27,6 +27,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from art_backend.durable import append_lines, fsync_directory, fsync_tree, write_atomically
+from art_backend.errors import StorageError, SyncRefused
 from art_backend.kill_points import kill_point
 from art_backend.training.checkpoints import STEP_RECORD, ModelFiles
 
@@ -35,14 +36,6 @@ logger = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 FORMAT = 1
 Part = Literal["checkpoints", "history", "trajectories"]
-
-
-class StorageError(RuntimeError):
-    """The object store failed or refused (credentials, bucket, network): its own words, and where."""
-
-
-class SyncRefused(ValueError):
-    """What was asked cannot be done with these files (a step the store lacks, a LoRA that differs)."""
 
 
 @dataclass

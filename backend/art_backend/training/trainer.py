@@ -29,8 +29,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from art_backend.engine.host_memory import reusing_freed_memory
+from art_backend.errors import DamagedCheckpointError
 from art_backend.kill_points import kill_point
-from art_backend.training.checkpoints import DamagedCheckpointError
 from art_backend.training.loss import LossConfig, LossTerms, policy_loss
 from art_backend.training.packing import PackedBatch, pack, padded_batches
 from art_backend.training.sft import SFT_LOSS, sft_loss
