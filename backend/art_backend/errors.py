@@ -9,20 +9,23 @@ This module imports nothing from the backend, so any of its modules can raise th
 
     class                         status  type                      param
     ServiceError                     500  InternalServerError       -
-    ├── UnsupportedFeatureError      400  BadRequestError           -         a field this server does not do
-    ├── ChatFormatError              400  BadRequestError           -         messages or tools that do not render
-    ├── GrammarError                 400  BadRequestError           -         a structure that cannot be enforced
-    ├── InvalidSamplingError         400  BadRequestError           -         sampling the engine refuses
-    ├── ContextLengthError           400  BadRequestError           messages  a prompt longer than the model takes
-    ├── ModelNotServedError          404  NotFoundError             model     a model name no one serves
-    ├── TrainingRequestError         400  BadRequestError           -         a training call that cannot be done
-    ├── UnknownModelError            404  NotFoundError             name      a model never registered
-    ├── BaseModelMismatchError       409  ConflictError             -         a model trained on another base
-    ├── DamagedCheckpointError       409  ConflictError             -         a checkpoint that does not load
-    ├── SyncRefused                  400  BadRequestError           -         a push or pull these files cannot do
-    ├── StorageError                 502  StorageError              url       the object store failed or refused
-    └── ExportError                  400  BadRequestError           -         an export refused or failed
-        └── ExportSpaceError         507  InsufficientStorageError  out       the disk filled up while exporting
+    ├── BadRequestError              400  BadRequestError           -         the request cannot be done as asked
+    │   ├── UnsupportedFeatureError  400  BadRequestError           -         a field this server does not do
+    │   ├── ChatFormatError          400  BadRequestError           -         messages or tools that do not render
+    │   ├── GrammarError             400  BadRequestError           -         a structure that cannot be enforced
+    │   ├── InvalidSamplingError     400  BadRequestError           -         sampling the engine refuses
+    │   ├── ContextLengthError       400  BadRequestError           messages  a prompt longer than the model takes
+    │   ├── TrainingRequestError     400  BadRequestError           -         a training call that cannot be done
+    │   ├── SyncRefused              400  BadRequestError           -         a push or pull these files cannot do
+    │   └── ExportError              400  BadRequestError           -         an export refused or failed
+    │       └── ExportSpaceError     507  InsufficientStorageError  out       the disk filled up while exporting
+    ├── NotFoundError                404  NotFoundError             -         a name this backend does not know
+    │   ├── ModelNotServedError      404  NotFoundError             model     a model name no one serves
+    │   └── UnknownModelError        404  NotFoundError             name      a model never registered
+    ├── ConflictError                409  ConflictError             -         the backend's state, not the request
+    │   ├── BaseModelMismatchError   409  ConflictError             -         a model trained on another base
+    │   └── DamagedCheckpointError   409  ConflictError             -         a checkpoint that does not load
+    └── StorageError                 502  StorageError              url       the object store failed or refused
 """
 
 from __future__ import annotations
@@ -48,42 +51,49 @@ class ServiceError(Exception):
         return error_body(str(self), self.error_type, self.param, self.status_code)
 
 
+class BadRequestError(ServiceError, ValueError):
+    """A request that cannot be done as asked (the message says why and what to do instead)."""
+
+    status_code = 400
+    error_type = "BadRequestError"
+
+
+class NotFoundError(ServiceError, LookupError):
+    """A request names something this backend does not know (`param` says which field)."""
+
+    status_code = 404
+    error_type = "NotFoundError"
+
+
+class ConflictError(ServiceError, ValueError):
+    """The backend's stored state, not the request, stands in the way."""
+
+    status_code = 409
+    error_type = "ConflictError"
+
+
 # ----- serving: what a chat, text completion or Responses request asks --------------------
 
 
-class UnsupportedFeatureError(ServiceError, ValueError):
+class UnsupportedFeatureError(BadRequestError):
     """A request asks for something this server does not do (the message names it)."""
 
-    status_code = 400
-    error_type = "BadRequestError"
 
-
-class ChatFormatError(ServiceError, ValueError):
+class ChatFormatError(BadRequestError):
     """A request's messages, tools, tool_choice or template arguments cannot be rendered."""
 
-    status_code = 400
-    error_type = "BadRequestError"
 
-
-class GrammarError(ServiceError, ValueError):
+class GrammarError(BadRequestError):
     """A required tool call or `response_format` asks for a structure that cannot be enforced."""
 
-    status_code = 400
-    error_type = "BadRequestError"
 
-
-class InvalidSamplingError(ServiceError, ValueError):
+class InvalidSamplingError(BadRequestError):
     """Sampling settings the engine refuses (the message says which and why): a 400, not a 500."""
 
-    status_code = 400
-    error_type = "BadRequestError"
 
-
-class ContextLengthError(ServiceError, ValueError):
+class ContextLengthError(BadRequestError):
     """A prompt (with the completion asked for) longer than the model's context, in OpenAI's words."""
 
-    status_code = 400
-    error_type = "BadRequestError"
     param = "messages"
 
     @classmethod
@@ -102,11 +112,9 @@ class ContextLengthError(ServiceError, ValueError):
                    f"characters, more than {limit} tokens can hold. Shorten the messages.")
 
 
-class ModelNotServedError(ServiceError, LookupError):
+class ModelNotServedError(NotFoundError):
     """A request names a model this backend does not serve (a 404 before any streaming starts)."""
 
-    status_code = 404
-    error_type = "NotFoundError"
     param = "model"
 
     @classmethod
@@ -118,42 +126,28 @@ class ModelNotServedError(ServiceError, LookupError):
 # ----- training: /v1/training -------------------------------------------------------------
 
 
-class TrainingRequestError(ServiceError, ValueError):
+class TrainingRequestError(BadRequestError):
     """A training call that cannot be done as asked (a bad name, a scored-only model, no data)."""
 
-    status_code = 400
-    error_type = "BadRequestError"
 
-
-class UnknownModelError(ServiceError, LookupError):
+class UnknownModelError(NotFoundError):
     """A training call names a model not registered on this backend."""
 
-    status_code = 404
-    error_type = "NotFoundError"
     param = "name"
 
 
-class BaseModelMismatchError(ServiceError, ValueError):
+class BaseModelMismatchError(ConflictError):
     """A model asked to be trained on a base this backend does not serve (a 409: the backend's state, not
     the request, is what differs)."""
 
-    status_code = 409
-    error_type = "ConflictError"
 
-
-class DamagedCheckpointError(ServiceError, ValueError):
+class DamagedCheckpointError(ConflictError):
     """A stored checkpoint does not load: the model cannot continue from it as it is (a 409: the
     stored files, not the request, are at fault)."""
 
-    status_code = 409
-    error_type = "ConflictError"
 
-
-class SyncRefused(ServiceError, ValueError):
+class SyncRefused(BadRequestError):
     """What was asked cannot be done with these files (a step the store lacks, a LoRA that differs)."""
-
-    status_code = 400
-    error_type = "BadRequestError"
 
 
 class StorageError(ServiceError, RuntimeError):
@@ -168,11 +162,8 @@ class StorageError(ServiceError, RuntimeError):
 # ----- export -----------------------------------------------------------------------------
 
 
-class ExportError(ServiceError, ValueError):
+class ExportError(BadRequestError):
     """The export was refused or failed; nothing was left at the target. The message says why and what to do."""
-
-    status_code = 400
-    error_type = "BadRequestError"
 
 
 class ExportSpaceError(ExportError):
