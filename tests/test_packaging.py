@@ -11,11 +11,16 @@ import pytest
 from art_backend.model_store import ModelNotFoundError, resolve_model_dir
 
 
+def _python(code: str) -> str:
+    """`code` run by a fresh interpreter of this venv; its stdout, once it exited cleanly."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
 def test_client_package_imports_without_torch() -> None:
     # `None` in sys.modules makes any `import torch` fail, as in an environment without it.
-    code = "import sys; sys.modules['torch'] = None; import art_integrations; print(art_integrations.__version__)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
+    _python("import sys; sys.modules['torch'] = None; import art_integrations; print(art_integrations.__version__)")
 
 
 def test_client_package_imports_without_ray_and_says_which_extra_the_runner_needs() -> None:
@@ -26,9 +31,8 @@ def test_client_package_imports_without_ray_and_says_which_extra_the_runner_need
             "    runner.connect()\n"
             "except ImportError as error:\n"
             "    print(error)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert 'RayRollouts needs Ray' in result.stdout and 'pip install "art-integrations[ray]"' in result.stdout
+    printed = _python(code)
+    assert 'RayRollouts needs Ray' in printed and 'pip install "art-integrations[ray]"' in printed
 
 
 def test_the_backend_imports_only_the_clients_data_types_and_every_public_name_resolves() -> None:
@@ -41,9 +45,7 @@ def test_the_backend_imports_only_the_clients_data_types_and_every_public_name_r
             "assert art_integrations.trajectory.__module__ == 'art_integrations.capture'  # the function\n"
             "assert set(art_integrations.__all__) <= set(dir(art_integrations))\n"
             "print(art_integrations.LocalBackend.__module__)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "art_integrations.backend"
+    assert _python(code).strip() == "art_integrations.backend"
 
 
 def test_a_directory_without_a_model_is_refused_with_the_fix(tmp_path: Path) -> None:
