@@ -51,7 +51,7 @@ import httpx
 import psutil
 import torch
 from art_backend.config import BackendSettings
-from art_backend.engine.vllm_engine import vllm_engine_args
+from art_backend.engine.vllm_args import vllm_engine_args
 from art_backend.model_store import resolve_model_dir
 from bench_serving import (
     chat_messages,

@@ -21,7 +21,8 @@ from art_backend.engine.base import GenerationRequest, SamplingParams
 from art_backend.engine.cpu_kernels import (build_directory, cannot_build, compiler, load_cpu_kernels,
                                            openmp_refused, vector_build)
 from art_backend.engine.exact_groups import as_exact_groups
-from art_backend.engine.llama import KV_GROWTH_TOKENS, LORA_TARGETS, PROJECTIONS, KVCache, LeanLlama, LoraWeights
+from art_backend.engine.kv_cache import KV_GROWTH_TOKENS, KVCache
+from art_backend.engine.llama import LORA_TARGETS, PROJECTIONS, LeanLlama, LoraWeights
 from art_backend.engine.sampling import RowSampling, gumbel_argmax, sample
 from art_backend.engine.torch_engine import TorchEngine
 from art_backend.errors import ModelNotServedError
@@ -471,13 +472,13 @@ async def test_the_prefix_store_is_dropped_once_no_request_has_come_for_a_while(
     try:
         request = GenerationRequest(_prompt(engine, "Name three colors."), SamplingParams(max_tokens=4, temperature=0))
         await _run(engine, request)
-        assert await engine._on_worker(lambda: len(engine._prefixes)) == 1  # the finished turn, kept
-        with caplog.at_level(logging.INFO, logger="art_backend.engine.torch_engine"):
+        assert await engine._on_worker(lambda: len(engine.scheduler.prefixes)) == 1  # the finished turn, kept
+        with caplog.at_level(logging.INFO, logger="art_backend.engine.prefix_cache"):
             await asyncio.sleep(1.5)
-        assert await engine._on_worker(lambda: (len(engine._prefixes), engine._prefix_tokens)) == (0, 0)
+        assert await engine._on_worker(lambda: (len(engine.scheduler.prefixes), engine.scheduler.prefixes.tokens)) == (0, 0)
         assert "Dropped the 1 kept prefixes" in caplog.text
         await _run(engine, request)  # and serving goes on, keeping turns again
-        assert await engine._on_worker(lambda: len(engine._prefixes)) == 1
+        assert await engine._on_worker(lambda: len(engine.scheduler.prefixes)) == 1
     finally:
         await engine.close()
 

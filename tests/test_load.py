@@ -109,7 +109,7 @@ async def _wait_abandoned(base_url: str) -> None:
 def _long_sequences(engine: TorchEngine) -> list[Any]:
     """The engine's active sequences of the abandoned requests (read from the test's thread: a
     snapshot of the list, which the engine's thread replaces or appends to)."""
-    return [seq for seq in list(engine._active) if seq.request.spec.params.max_tokens == LONG]
+    return [seq for seq in list(engine.scheduler.active) if seq.request.spec.params.max_tokens == LONG]
 
 
 async def _follow(engine: TorchEngine, furthest: dict[int, int], following: asyncio.Event) -> None:
@@ -190,4 +190,4 @@ async def test_abandoned_requests_free_their_slots_and_the_rest_complete(tiny_se
     assert all(wait.cancelled() for wait in waits)
     for k in kept:
         _check_kept(k, lambda ids: tiny_engine.tokenizer.decode(ids, skip_special_tokens=True))
-    await _eventually(lambda: not tiny_engine._active and not tiny_engine._waiting, "the engine idle")
+    await _eventually(lambda: not tiny_engine.scheduler.active and not tiny_engine.scheduler.waiting, "the engine idle")

@@ -399,7 +399,7 @@ async def test_a_node_removed_mid_rollout_is_retried_on_another(cluster: Cluster
 def test_the_vllm_engines_parallel_sizes_pass_through_and_bad_ones_are_refused_by_name(tiny_model_dir: Path) -> None:
     import torch
 
-    from art_backend.engine.vllm_engine import vllm_engine_args
+    from art_backend.engine.vllm_args import vllm_engine_args
 
     if torch.cuda.is_available():
         pytest.skip("on a GPU the sizes are also checked against the GPUs this process sees")

@@ -11,7 +11,7 @@ from art_backend.config import BackendSettings
 from art_backend.engine.base import Engine
 from art_backend.model_store import resolve_model_dir, served_names
 from art_backend.server import create_app
-from art_backend.training.service import TrainingService
+from art_backend.training.service import OneTrainer, TrainingService
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,9 @@ _VLLM_ONLY = {"gpu_memory_utilization", "kv_cache_memory_bytes", "max_loras", "m
               "tensor_parallel_size", "data_parallel_size", "vllm_engine_args"}
 
 
-def build_engine(settings: BackendSettings) -> Engine:
+def build_engine(settings: BackendSettings, trainer: OneTrainer | None = None) -> Engine:
+    """The engine the settings ask for; `trainer`: the training service's, which vLLM on a GPU loads
+    first (its copy of the weights must fit beside vLLM's)."""
     # one directory for everything that loads the model (vLLM, the trainer, the tokenizer): a hub
     # id's snapshot is resolved once here, so they cannot load different revisions
     model_dir = resolve_model_dir(settings.model, settings.cache_dir, settings.revision)
@@ -58,7 +60,7 @@ def build_engine(settings: BackendSettings) -> Engine:
                           max_cpu_loras=settings.max_cpu_loras, max_lora_rank=settings.max_lora_rank,
                           tensor_parallel_size=settings.tensor_parallel_size,
                           data_parallel_size=settings.data_parallel_size, engine_args=settings.vllm_engine_args,
-                          tune_process_memory=bool(settings.tune_process_memory))
+                          tune_process_memory=bool(settings.tune_process_memory), load_trainer_first=trainer)
     from art_backend.engine.torch_engine import TorchEngine
 
     return TorchEngine(model_dir, served_model_name=name, aliases=aliases,
@@ -70,9 +72,10 @@ def build_engine(settings: BackendSettings) -> Engine:
 
 
 def build_app(settings: BackendSettings) -> FastAPI:
-    engine = build_engine(settings)
+    trainer = OneTrainer()
+    engine = build_engine(settings, trainer)
     return create_app(engine, api_key=settings.api_key, close_engine_on_shutdown=True,
-                      training=TrainingService(engine, settings.art_dir, settings.cache_dir),
+                      training=TrainingService(engine, settings.art_dir, settings.cache_dir, trainer),
                       max_request_bytes=settings.max_request_bytes,
                       token_records_bytes=settings.token_records_bytes, continuations_bytes=settings.continuations_bytes,
                       tool_call_parser=settings.tool_call_parser, reasoning_parser=settings.reasoning_parser)

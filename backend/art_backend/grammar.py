@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import llguidance
 import llguidance.hf
+# llguidance.numpy, not llguidance.torch: the torch module decorates a kernel we do not use with
+# torch.compile, whose import (torch._dynamo, sympy, networkx) was ~40% of a backend's start
+import llguidance.numpy
+import torch
 
 from art_backend.errors import GrammarError
 from art_backend.tool_formats.base import CallMarkup
@@ -138,3 +142,27 @@ class Constrainer:
         if matcher.is_error():
             raise GrammarError(f"The requested structure cannot be enforced: {matcher.get_error()}")
         return matcher
+
+    def allowed_tokens(self, matchers: Sequence[llguidance.LLMatcher | None], vocab: int, end_of_turn: int,
+                       device: torch.device) -> torch.Tensor | None:
+        """[rows, vocab] bool: what each row's matcher allows next (a row without one: everything;
+        one whose structure is complete, or whose parser gave up: only `end_of_turn`); None when no
+        row has a matcher."""
+        if all(matcher is None for matcher in matchers):
+            return None
+        words = llguidance.numpy.allocate_token_bitmask(len(matchers), self.tokenizer.vocab_size)
+        bitmask = torch.from_numpy(words)  # the same memory
+        for row, matcher in enumerate(matchers):
+            if matcher is None:
+                continue
+            if not matcher.is_stopped():
+                llguidance.numpy.fill_next_token_bitmask(matcher, words, row)
+            if matcher.is_stopped() or matcher.is_error():
+                bitmask[row] = 0
+                bitmask[row, end_of_turn // 32] = 1 << (end_of_turn % 32)
+        # unpack 32 tokens per int32 word (rows without a matcher stay all ones)
+        bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.reshape(len(matchers), -1)[:, :vocab].bool().to(device)
+        if allowed.shape[-1] < vocab:  # padded model vocabularies: the extra ids are never valid
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[-1]))
+        return allowed

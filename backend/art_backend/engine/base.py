@@ -2,20 +2,21 @@
 
 The server only ever calls these methods, so the embedded torch engine (`torch_engine.py`) and
 the vLLM engine (`vllm_engine.py`) are interchangeable behind it: prompts arrive as token ids,
-the engines sample and report logprobs the same way, and both train with the same GRPO step.
+the engines sample and report logprobs the same way. Training is the training service's
+(`training/`): an engine only says where a step may run (`run_training`) and whether the trainer
+may train its own copy of the model (`lent_model`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from art_backend.chat_format import ChatFormatter
-    from art_backend.training.tokenize import TrainSequence
-    from art_integrations.training import LoraConfig, TrainConfig
+    from art_integrations.training import LoraConfig
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,18 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class LentModel:
+    """An engine's own Hugging Face model, lent to the trainer to train in place (no second copy of
+    the weights), with the allocator a step may reuse its freed memory through (host_memory.py).
+    `trainer`: set by the training service at its first step; peft wraps `model` in place, so every
+    service training it (tests share one engine) shares that one trainer."""
+
+    model: Any
+    step_memory: Any | None = None
+    trainer: Any | None = None
 
 
 @dataclass
@@ -116,17 +129,15 @@ class Engine(Protocol):
         """Raise ValueError, naming the setting to change, if adapters of this shape cannot be served."""
         ...
 
-    async def train_step(self, model_name: str, sequences: list[TrainSequence], config: TrainConfig,
-                         lora: LoraConfig, resume_from: Path | None, save_to: Path) -> dict[str, float]:
-        """One optimizer step on `model_name`'s adapter (continuing from `resume_from` if it is not
-        in memory); writes the adapter and optimizer state to `save_to`. Requests wait meanwhile."""
+    def lent_model(self) -> LentModel | None:
+        """The model the trainer trains in place, or None: the trainer loads its own copy of
+        `model_dir` (beside vLLM's weights)."""
         ...
 
-    async def sft_step(self, model_name: str, batches: list[list[TrainSequence]], learning_rates: list[float],
-                       config: TrainConfig, lora: LoraConfig, resume_from: Path | None,
-                       save_to: Path) -> dict[str, float]:
-        """An SFT step (training/sft.py): one optimizer step per batch, at its learning rate, then the
-        adapter and optimizer state written to `save_to`, as `train_step` does."""
+    async def run_training(self, step: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """Run the blocking training `step` where and when this engine lets one run; requests wait
+        meanwhile and none fails. Its metrics, with `wait_seconds` (how long it waited to start)
+        and what pausing the engine cost, where it does."""
         ...
 
     async def close(self) -> None: ...

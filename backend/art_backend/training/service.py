@@ -17,7 +17,7 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from art_backend.chat_format import ChatFormatter
 from art_backend.config import default_cache_dir
@@ -31,6 +31,9 @@ from art_backend.training.sft import Renderer, SFTRequestError, plan_sft
 from art_backend.training.tokenize import TokenizeStats, TrainSequence, tokenize_trajectory
 from art_integrations.training import LoraConfig, TrainConfig, TrainSFTConfig
 from art_integrations.trajectory import Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:  # imported at the first step: peft (and accelerate) cost a serve-only process ~1 s
+    from art_backend.training.trainer import LoraTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +94,33 @@ def step_sequences(groups: list[TrajectoryGroup], config: TrainConfig, stats: To
     return sequences, trained, skipped
 
 
+class OneTrainer:
+    """The backend's one trainer (every trained model's adapter on one base model), made when first
+    called: on the model the engine lends (the torch engine's own), else on a copy loaded beside the
+    engine's weights (`load_trainable_model`: Unsloth's on a GPU where it imports)."""
+
+    def __init__(self) -> None:
+        self._trainer: LoraTrainer | None = None
+
+    def __call__(self, engine: Engine) -> LoraTrainer:
+        from art_backend.training.trainer import LoraTrainer, load_trainable_model
+
+        lent = engine.lent_model()
+        if lent is not None:
+            if lent.trainer is None:
+                lent.trainer = LoraTrainer(lent.model, step_memory=lent.step_memory)
+            return lent.trainer
+        if self._trainer is None:
+            self._trainer = LoraTrainer(*load_trainable_model(engine.model_dir, engine.max_model_len))
+        return self._trainer
+
+
 class TrainingService:
-    def __init__(self, engine: Engine, art_dir: Path, cache_dir: Path | None = None) -> None:
+    def __init__(self, engine: Engine, art_dir: Path, cache_dir: Path | None = None,
+                 trainer: OneTrainer | None = None) -> None:
+        """`trainer`: one the engine has already loaded (vLLM on a GPU loads it before sizing its memory)."""
         self.engine = engine
+        self.trainer = trainer or OneTrainer()
         self.art_dir = Path(art_dir)
         self.cache_dir = cache_dir or default_cache_dir()  # llama.cpp's sources and tools, for GGUF exports
         self._models: dict[str, ModelFiles] = {}
@@ -252,7 +279,8 @@ class TrainingService:
                 logger.warning("%s/%s step %d: %s", project, name, self.get_step(project, name) + 1, metrics["note"])
 
             async def run(resume_from: Path | None, save_to: Path) -> dict[str, float]:
-                return await self.engine.train_step(name, sequences, config, model.lora, resume_from, save_to)
+                return await self.engine.run_training(lambda: self.trainer(self.engine).step(
+                    name, sequences, config, model.lora, resume_from, save_to))
 
             return await self._commit_step(model, run, metrics, groups, started, {
                 "trained": bool(sequences), "learning_rate": config.learning_rate,
@@ -275,8 +303,8 @@ class TrainingService:
                 raise TrainingRequestError(f"Nothing was trained: {error}") from error
 
             async def run(resume_from: Path | None, save_to: Path) -> dict[str, float]:
-                return await self.engine.sft_step(name, plan.batches, plan.learning_rates, settings, model.lora,
-                                                  resume_from, save_to)
+                return await self.engine.run_training(lambda: self.trainer(self.engine).sft_step(
+                    name, plan.batches, plan.learning_rates, settings, model.lora, resume_from, save_to))
 
             groups = [TrajectoryGroup(trajectories=trajectories, metadata={"kind": "sft"})]
             return await self._commit_step(model, run, plan.metrics, groups, started, {"trained": True})

@@ -3,9 +3,10 @@
 One `LoraTrainer` holds every trained model's adapter on the shared base model; each model
 has its own named adapter and AdamW state, kept in memory between steps and in its
 checkpoint directory (`adapter_model.safetensors`, `adapter_config.json`, `optimizer.pt`)
-so a restarted backend continues exactly where it stopped. The torch engine trains its own
-serving model; the vLLM engine gives it a copy (`load_trainable_model`), from Unsloth's
-`FastLanguageModel` on a GPU where Unsloth imports (`unsloth.py`).
+so a restarted backend continues exactly where it stopped. The training service makes it
+(`OneTrainer`): on the torch engine's own serving model, or beside vLLM on a copy
+(`load_trainable_model`), from Unsloth's `FastLanguageModel` on a GPU where Unsloth imports
+(`unsloth.py`).
 """
 
 from __future__ import annotations
