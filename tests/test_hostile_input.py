@@ -14,8 +14,10 @@ import httpx
 import pytest
 
 from art_backend.chat_format import ChatFormatter
-from art_backend.server import TokenRecords, _Choice, create_app
+from art_backend.chat_service import _Choice
 from art_backend.engine.base import TokenLogprob
+from art_backend.server import create_app
+from art_backend.token_records import TokenRecords
 from art_backend.training.service import TrainingService
 from tests.conftest import ServerThread
 

@@ -324,7 +324,7 @@ def test_output_changing_fields_the_server_lacks_are_refused_by_name(tiny_server
     assert "min_tokens, use_beam_search" in refused.json()["error"]["message"]
     # at the values that say what the server does anyway, and OpenAI's fields without effect: accepted
     same = {"use_beam_search": False, "skip_special_tokens": True, "user": "u-1", "metadata": {"a": "b"}, "store": False}
-    with caplog.at_level(logging.WARNING, logger="art_backend.server"):
+    with caplog.at_level(logging.WARNING, logger="art_backend.chat_service"):
         assert httpx.post(url, json={**base, **same}).status_code == 200
         assert "Ignoring" not in caplog.text
         assert httpx.post(url, json={**base, "frobnicate": 1}).status_code == 200

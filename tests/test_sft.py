@@ -17,9 +17,9 @@ import torch
 from fastapi.testclient import TestClient
 
 import art_integrations as art
+from art_backend.chat_service import ChatService
 from art_backend.engine.base import end_of_turn_ids
 from art_backend.protocol import ChatCompletionRequest
-from art_backend.server import ChatService
 from art_backend.training.service import TrainingService
 from art_backend.training.packing import pack
 from art_backend.training.sft import SFT_LOSS, Renderer, SFTStats, plan_sft, trajectory_sequences

@@ -25,10 +25,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from art_backend.continuation import encode_prompt
 from art_backend.engine.base import GenerationRequest, SequenceDelta, TokenLogprob
 from art_backend.errors import ContextLengthError, ModelNotServedError, UnsupportedFeatureError, error_body
-from art_backend.protocol import NOT_IMPLEMENTED, StreamOptions, now, refuse_lone_surrogates
+from art_backend.protocol import (NOT_IMPLEMENTED, StreamOptions, now, refuse_lone_surrogates, reportable,
+                                  reportable_logprobs)
 
 if TYPE_CHECKING:
-    from art_backend.server import ChatService
+    from art_backend.chat_service import ChatService
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +146,6 @@ def prepare(service: ChatService, body: CompletionRequest, token_logprobs: bool)
 
 def _legacy_logprobs(service: ChatService, entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
     """OpenAI's legacy logprobs: tokens, their logprobs, the top alternatives and text offsets."""
-    from art_backend.server import reportable  # here: server.py imports this module
-
     tokens, offsets = [], []
     for entry in entries:
         offsets.append(offset)
@@ -160,10 +159,6 @@ def _legacy_logprobs(service: ChatService, entries: list[TokenLogprob], offset: 
 def _tokens(prepared: PreparedCompletion, ids: list[int], entries: list[TokenLogprob],
             record_id: str | None) -> dict[str, Any]:
     """A choice's (or chunk's) token fields, as `return_token_ids` and the capture's header ask."""
-    from art_backend.server import (
-        reportable_logprobs,  # here: server.py imports this module
-    )
-
     if not prepared.body.return_token_ids:
         return {}
     tokens: dict[str, Any] = {"token_ids": ids}

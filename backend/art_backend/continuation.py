@@ -23,7 +23,7 @@ calls it carries back (the ids of the calls the server made for that choice), so
 goes on from its own tokens; without such a call, the turn with the smallest ids, so which one is
 never decided by which rollout happened to finish last (a seeded run repeats).
 
-Used by `server.ChatService`: `tokenize` where it builds a request's prompt ids, `remember`
+Used by `chat_service.ChatService`: `tokenize` where it builds a request's prompt ids, `remember`
 when a choice finishes.
 """
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from art_backend.engine.base import TokenLogprob
 
 # OpenAI's and vLLM's request fields that change the output and are not implemented here, each
 # with the values that say to do what this server does anyway.
@@ -221,3 +224,14 @@ def completion_id() -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+def reportable(logprob: float) -> float:
+    """A logprob JSON can carry: a token with no chance (-inf, among top logprobs past a top-k cut,
+    say) is reported as -9999.0, as OpenAI and vLLM do."""
+    return max(logprob, -9999.0)
+
+
+def reportable_logprobs(entries: list[TokenLogprob]) -> list[float]:
+    """Each sampled token's logprob, as JSON can carry it."""
+    return [reportable(entry.logprob) for entry in entries]
