@@ -25,8 +25,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from art_backend.engine.base import LOWEST_LOGPROB
+
 if TYPE_CHECKING:
     from art_backend.engine.base import TokenLogprob
 
@@ -228,8 +230,8 @@ def now() -> int:
 
 def reportable(logprob: float) -> float:
     """A logprob JSON can carry: a token with no chance (-inf, among top logprobs past a top-k cut,
-    say) is reported as -9999.0, as OpenAI and vLLM do."""
-    return max(logprob, -9999.0)
+    say) is reported as LOWEST_LOGPROB, as OpenAI and vLLM do."""
+    return max(logprob, LOWEST_LOGPROB)
 
 
 def reportable_logprobs(entries: list[TokenLogprob]) -> list[float]:

@@ -51,6 +51,9 @@ class GenerationRequest:
     model: str | None = None  # a served adapter name; None = the base model
 
 
+LOWEST_LOGPROB = -9999.0  # what OpenAI and vLLM's server report for a token that could not be drawn
+
+
 @dataclass
 class TokenLogprob:
     token_id: int

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-LOWEST_LOGPROB = -9999.0  # what OpenAI and vLLM's server report for a token that could not be drawn
+from art_backend.engine.base import LOWEST_LOGPROB
+
 
 
 @dataclass(frozen=True)

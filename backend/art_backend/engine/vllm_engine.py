@@ -38,10 +38,9 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from art_backend.chat_format import ChatFormatter
-from art_backend.engine.base import (GenerationRequest, LentModel, SequenceDelta, TokenLogprob, end_of_turn_ids,
+from art_backend.engine.base import (LOWEST_LOGPROB, GenerationRequest, LentModel, SequenceDelta, TokenLogprob, end_of_turn_ids,
                                      is_base_model)
 from art_backend.engine.host_memory import return_freed_memory_to_os
-from art_backend.engine.sampling import LOWEST_LOGPROB
 from art_backend.engine.vllm_args import LORA_RANKS, import_vllm, vllm_engine_args
 from art_backend.errors import ContextLengthError, DamagedCheckpointError, InvalidSamplingError, ModelNotServedError
 from art_backend.grammar import Constrainer, GrammarError
