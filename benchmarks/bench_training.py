@@ -51,8 +51,8 @@ from art_backend.config import BackendSettings
 from art_backend.engine.cpu_kernels import load_cpu_kernels
 from art_backend.engine.host_memory import return_freed_memory_to_os
 from art_backend.model_store import embedded_model_dir
+from art_backend.training.grpo import grpo_step, step_sequences
 from art_backend.training.packing import padded_batches
-from art_backend.training.service import step_sequences
 from art_backend.training.tokenize import TokenizeStats, TrainSequence
 from art_backend.training.trainer import LoraTrainer
 from art_integrations.training import LoraConfig, TrainConfig
@@ -173,12 +173,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for label, sequences in batches.items():
             systems: dict[str, Callable[[], dict[str, float]]] = {
-                "ours (LoraTrainer)": lambda s=sequences, b=label: trainer.step(
-                    f"bench-{b}", s, config, lora, resume_from=None, save_to=Path(tmp) / b),
-                "ours, no memory reuse": lambda s=sequences, b=label: no_reuse.step(
-                    f"bench-{b}", s, config, lora, resume_from=None, save_to=Path(tmp) / f"{b}-no-reuse"),
-                "ours unpacked": lambda s=sequences, b=label: unpacked.step(
-                    f"bench-{b}", s, config, lora, resume_from=None, save_to=Path(tmp) / f"{b}-unpacked"),
+                "ours (LoraTrainer)": lambda s=sequences, b=label: grpo_step(
+                    trainer, f"bench-{b}", s, config, lora, resume_from=None, save_to=Path(tmp) / b),
+                "ours, no memory reuse": lambda s=sequences, b=label: grpo_step(
+                    no_reuse, f"bench-{b}", s, config, lora, resume_from=None, save_to=Path(tmp) / f"{b}-no-reuse"),
+                "ours unpacked": lambda s=sequences, b=label: grpo_step(
+                    unpacked, f"bench-{b}", s, config, lora, resume_from=None, save_to=Path(tmp) / f"{b}-unpacked"),
                 "plain transformers+peft": lambda s=sequences: plain.step(s),
             }
             times: dict[str, list[float]] = {name: [] for name in systems}

@@ -116,7 +116,8 @@ def test_the_unsloth_stage_measures_a_grpo_step_and_an_sft_pass_with_the_trainer
     """The stage's measurement, on the CPU with peft's trainer and the tiny model: both losses give
     a loss and non-zero gradients on every LoRA tensor, and a trainer agrees with itself."""
     from art_backend.training.sft import SFT_LOSS
-    from art_backend.training.trainer import LoraTrainer, load_peft_model
+    from art_backend.training.base_model import load_peft_model
+    from art_backend.training.trainer import LoraTrainer
     from art_integrations import LoraConfig
 
     sys.path.insert(0, str(REPO / "benchmarks"))

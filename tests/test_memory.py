@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 from art_backend.engine.host_memory import return_freed_memory_to_os
+from art_backend.training.grpo import grpo_step
 from art_backend.training.trainer import LoraTrainer
 from art_integrations.training import LoraConfig, TrainConfig
 from bench_training import real_step, timed
@@ -35,7 +36,7 @@ weight_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**
 trainer, (sequences, _) = LoraTrainer(model), real_step()
 for _ in range(2):
     with tempfile.TemporaryDirectory() as out:
-        _, figures = timed(lambda: trainer.step("m", sequences, TrainConfig(), LoraConfig(), None, Path(out)))
+        _, figures = timed(lambda: grpo_step(trainer, "m", sequences, TrainConfig(), LoraConfig(), None, Path(out)))
     print(json.dumps({"weight_mib": weight_mib, **figures}))
 """
 

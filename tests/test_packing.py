@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from art_backend.training.packing import pack
-from art_backend.training.service import step_sequences
+from art_backend.training.grpo import step_sequences
 from art_backend.training.tokenize import TokenizeStats, TrainSequence
 from art_backend.training import trainer as trainer_module
 from art_backend.training.trainer import LoraTrainer, output_head

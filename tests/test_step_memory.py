@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from art_backend.engine.host_memory import REUSE_KEPT_BYTES, reusing_freed_memory
+from art_backend.training.grpo import grpo_step
 from art_backend.training.trainer import LoraTrainer
 from art_integrations.training import LoraConfig, TrainConfig
 from tests.conftest import REPO
@@ -84,7 +85,7 @@ def test_a_training_step_gives_the_same_losses_and_weights_with_memory_reused(ti
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         trainer = LoraTrainer(model, step_memory=reuse)
         with tempfile.TemporaryDirectory() as out:
-            metrics = [trainer.step("m", sequences, TrainConfig(), LoraConfig(), None, Path(out) / str(i))
+            metrics = [grpo_step(trainer, "m", sequences, TrainConfig(), LoraConfig(), None, Path(out) / str(i))
                        for i in range(2)]
         weights = {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" in name}
         results.append(([{k: v for k, v in m.items() if not k.endswith("seconds")} for m in metrics], weights))

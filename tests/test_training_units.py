@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from art_backend.training.loss import LossConfig, policy_loss
-from art_backend.training.service import group_advantages
+from art_backend.training.grpo import group_advantages
 from art_backend.training.tokenize import MissingTokensError, TokenizeStats, tokenize_trajectory
 from art_integrations import Choice, History, TrainConfig, Trajectory
 
@@ -123,7 +123,7 @@ def test_json_has_arts_trajectory_shape() -> None:
 
 def _trainer_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> object:
     """`load_trainable_model` as on a GPU, with peft's loader recorded instead of run (no GPU here)."""
-    from art_backend.training import trainer
+    from art_backend.training import base_model as trainer
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(trainer, "load_peft_model", lambda model_dir: ("peft", model_dir))
@@ -139,7 +139,7 @@ def test_trainer_falls_back_to_peft_saying_why_when_unsloth_does_not_import(
     (tmp_path / "unsloth" / "__init__.py").write_text('raise NotImplementedError("Unsloth: this GPU is not supported")\n')
     monkeypatch.syspath_prepend(str(tmp_path))
     trainer = _trainer_on_a_gpu(monkeypatch)
-    with caplog.at_level(logging.INFO, logger="art_backend.training.trainer"):
+    with caplog.at_level(logging.INFO, logger="art_backend.training.base_model"):
         assert trainer.load_trainable_model(tmp_path / "model", 512) == ("peft", tmp_path / "model")
     assert "Unsloth is installed but does not import (NotImplementedError('Unsloth: this GPU is not supported'))" \
         in caplog.text
@@ -151,7 +151,7 @@ def test_trainer_on_a_gpu_without_unsloth_says_it_trains_with_peft(
     trainer = _trainer_on_a_gpu(monkeypatch)
     monkeypatch.setattr(trainer.importlib.util, "find_spec",
                         lambda name, *args: None if name == "unsloth" else importlib.util.find_spec(name, *args))
-    with caplog.at_level(logging.INFO, logger="art_backend.training.trainer"):
+    with caplog.at_level(logging.INFO, logger="art_backend.training.base_model"):
         assert trainer.load_trainable_model(tmp_path, 512) == ("peft", tmp_path)
     assert "Unsloth is not installed" in caplog.text
 
@@ -167,7 +167,7 @@ def test_trainer_falls_back_to_peft_saying_why_when_unsloth_cannot_load_the_mode
         "        raise ImportError('Unsloth: Please install bitsandbytes via `pip install bitsandbytes`')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     trainer = _trainer_on_a_gpu(monkeypatch)
-    with caplog.at_level(logging.INFO, logger="art_backend.training.trainer"):
+    with caplog.at_level(logging.INFO, logger="art_backend.training.base_model"):
         assert trainer.load_trainable_model(tmp_path / "model", 512) == ("peft", tmp_path / "model")
     assert f"Unsloth imports but cannot load {tmp_path / 'model'} (ImportError('Unsloth: Please install " \
            "bitsandbytes" in caplog.text

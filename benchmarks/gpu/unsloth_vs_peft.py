@@ -42,17 +42,19 @@ MAX_SEQ_LENGTH = 4096
 def run_one(trainer_name: str, save: Path) -> None:
     """One trainer's measured step, saved to `save`."""
     if trainer_name == "unsloth":  # before transformers, which Unsloth patches
-        from art_backend.training.unsloth import load_unsloth_model
+        from art_backend.training.unsloth import load_unsloth_model, unsloth_first_adapter
     from art_backend.config import BackendSettings
     from art_backend.model_store import embedded_model_dir
     from art_backend.training.sft import SFT_LOSS
-    from art_backend.training.trainer import LoraTrainer, load_peft_model
+    from art_backend.training.base_model import load_peft_model
+    from art_backend.training.trainer import LoraTrainer
     from art_integrations.training import LoraConfig
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench_training import real_step
 
     model_dir = embedded_model_dir(BackendSettings().cache_dir)
-    loaded = load_unsloth_model(model_dir, MAX_SEQ_LENGTH) if trainer_name == "unsloth" else load_peft_model(model_dir)
+    loaded = ((load_unsloth_model(model_dir, MAX_SEQ_LENGTH), unsloth_first_adapter, False) if trainer_name == "unsloth"
+              else load_peft_model(model_dir))
     trainer = LoraTrainer(*loaded)
     key, params = trainer._adapter("compare", LoraConfig(), None)
     named = {re.sub(rf"\.{re.escape(key)}\.", ".", n): p for n, p in trainer.peft.named_parameters() if p.requires_grad}

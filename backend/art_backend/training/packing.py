@@ -60,7 +60,7 @@ class PackedBatch:
     term_targets: Tensor
     term_rollout_logprobs: Tensor
     term_advantages: Tensor
-    term_weights: Tensor  # not yet divided by the step's total
+    term_weights: Tensor  # each a share of the step's loss (`accumulate_gradients` divides by the total)
 
     @property
     def tokens(self) -> int:

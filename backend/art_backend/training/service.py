@@ -28,7 +28,8 @@ from art_backend.kill_points import kill_point
 from art_backend.training import sync
 from art_backend.training.checkpoints import ModelFiles, checkpoint_problem
 from art_backend.training.sft import Renderer, SFTRequestError, plan_sft
-from art_backend.training.tokenize import TokenizeStats, TrainSequence, tokenize_trajectory
+from art_backend.training.grpo import grpo_step, step_sequences
+from art_backend.training.tokenize import TokenizeStats, TrainSequence
 from art_integrations.training import LoraConfig, TrainConfig, TrainSFTConfig
 from art_integrations.trajectory import Trajectory, TrajectoryGroup
 
@@ -36,16 +37,6 @@ if TYPE_CHECKING:  # imported at the first step: peft (and accelerate) cost a se
     from art_backend.training.trainer import LoraTrainer
 
 logger = logging.getLogger(__name__)
-
-
-def group_advantages(rewards: list[float], scale: bool) -> list[float] | None:
-    """A = (r - mean) / (std + 1e-6) per group (std division optional); None when all rewards
-    are equal: such a group carries no signal."""
-    if len(rewards) < 2 or max(rewards) - min(rewards) < 1e-9:
-        return None
-    mean = statistics.fmean(rewards)
-    std = statistics.pstdev(rewards)
-    return [(r - mean) / (std + 1e-6) if scale else r - mean for r in rewards]
 
 
 def reward_metrics(groups: list[TrajectoryGroup]) -> dict[str, float]:
@@ -66,34 +57,6 @@ def reward_metrics(groups: list[TrajectoryGroup]) -> dict[str, float]:
     return out
 
 
-def step_sequences(groups: list[TrajectoryGroup], config: TrainConfig, stats: TokenizeStats,
-                   vocabulary: int) -> tuple[list[TrainSequence], int, int]:
-    """The sequences a step trains on (each with its trajectory's group advantage), and how many
-    groups were trained and skipped (equal rewards: no signal)."""
-    sequences: list[TrainSequence] = []
-    trained = skipped = 0
-    for g, group in enumerate(groups):
-        advantages = group_advantages([t.reward for t in group.trajectories], config.scale_rewards)
-        if advantages is None:
-            skipped += 1
-            continue
-        trained += 1
-        for i, (trajectory, advantage) in enumerate(zip(group.trajectories, advantages)):
-            try:
-                tokenized = tokenize_trajectory(trajectory, advantage, f"group {g}, trajectory {i}", stats,
-                                                config.max_sequence_length)
-            except ValueError as error:
-                raise TrainingRequestError(str(error)) from error
-            foreign = sorted({t for s in tokenized for t in s.token_ids if not 0 <= t < vocabulary})
-            if foreign:
-                raise TrainingRequestError(
-                    f"group {g}, trajectory {i}: token ids {foreign[:5]} are outside this model's vocabulary "
-                    f"(0..{vocabulary - 1}): they did not come from this backend's model. Capture the tokens of "
-                    "its own replies (`return_token_ids`).")
-            sequences += tokenized
-    return sequences, trained, skipped
-
-
 class OneTrainer:
     """The backend's one trainer (every trained model's adapter on one base model), made when first
     called: on the model the engine lends (the torch engine's own), else on a copy loaded beside the
@@ -103,7 +66,8 @@ class OneTrainer:
         self._trainer: LoraTrainer | None = None
 
     def __call__(self, engine: Engine) -> LoraTrainer:
-        from art_backend.training.trainer import LoraTrainer, load_trainable_model
+        from art_backend.training.base_model import load_trainable_model
+        from art_backend.training.trainer import LoraTrainer
 
         lent = engine.lent_model()
         if lent is not None:
@@ -279,8 +243,8 @@ class TrainingService:
                 logger.warning("%s/%s step %d: %s", project, name, self.get_step(project, name) + 1, metrics["note"])
 
             async def run(resume_from: Path | None, save_to: Path) -> dict[str, float]:
-                return await self.engine.run_training(lambda: self.trainer(self.engine).step(
-                    name, sequences, config, model.lora, resume_from, save_to))
+                return await self.engine.run_training(lambda: grpo_step(
+                    self.trainer(self.engine), name, sequences, config, model.lora, resume_from, save_to))
 
             return await self._commit_step(model, run, metrics, groups, started, {
                 "trained": bool(sequences), "learning_rate": config.learning_rate,

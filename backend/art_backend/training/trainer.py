@@ -5,33 +5,32 @@ has its own named adapter and AdamW state, kept in memory between steps and in i
 checkpoint directory (`adapter_model.safetensors`, `adapter_config.json`, `optimizer.pt`)
 so a restarted backend continues exactly where it stopped. The training service makes it
 (`OneTrainer`): on the torch engine's own serving model, or beside vLLM on a copy
-(`load_trainable_model`), from Unsloth's `FastLanguageModel` on a GPU where Unsloth imports
-(`unsloth.py`).
+(`base_model.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
-import importlib.util
 import logging
 import math
 import re
 import time
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from art_backend.engine.host_memory import reusing_freed_memory
 from art_backend.errors import DamagedCheckpointError
 from art_backend.kill_points import kill_point
+from art_backend.training.base_model import FirstAdapter, peft_first_adapter
 from art_backend.training.loss import LossConfig, LossTerms, policy_loss
 from art_backend.training.packing import PackedBatch, pack, padded_batches
 from art_backend.training.sft import SFT_LOSS, sft_loss
@@ -42,51 +41,9 @@ from art_integrations.training import LoraConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
 
-# Trained tokens whose logits exist at once in a step (see `LoraTrainer._loss_backward`): SmolLM2's
-# vocabulary makes that 48 MiB per float32 copy, against 245 MiB for the main job's whole step.
+# Trained tokens whose logits exist at once in a step (see `LoraTrainer._loss_backward_saving_logit_memory`):
+# SmolLM2's vocabulary makes that 48 MiB per float32 copy, against 245 MiB for the main job's whole step.
 LOGIT_CHUNK_TOKENS = 256
-
-# Wraps the base model in its first adapter; returns the PeftModel and that adapter's name.
-FirstAdapter = Callable[[PreTrainedModel, PeftLoraConfig, str], tuple[PeftModel, str]]
-
-
-def _peft_first_adapter(base: PreTrainedModel, config: PeftLoraConfig, name: str) -> tuple[PeftModel, str]:
-    with warnings.catch_warnings():
-        # peft reads transformers' deprecated `is_gradient_checkpointing`: its warning is not the user's to act on
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        return get_peft_model(base, config, adapter_name=name), name
-
-
-def load_trainable_model(model_dir: Path, max_seq_length: int) -> tuple[PreTrainedModel, FirstAdapter, bool]:
-    """A copy of the base model for training beside another engine's serving weights: Unsloth's
-    on a GPU where `unsloth` imports (its kernels, our loss), else transformers' (float32 on CPU,
-    the precision the torch engine serves and the importance ratio compares; bfloat16 on a GPU);
-    and whether its steps can run packed (see `LoraTrainer`)."""
-    if torch.cuda.is_available():
-        if importlib.util.find_spec("unsloth") is None:
-            logger.info("Trainer: Unsloth is not installed (art-backend[unsloth]); training with peft")
-        else:
-            try:
-                from art_backend.training.unsloth import load_unsloth_model
-            except Exception as error:  # noqa: BLE001 - Unsloth refuses some GPUs and versions at import
-                logger.warning("Unsloth is installed but does not import (%r); training with peft instead", error)
-            else:
-                try:
-                    return load_unsloth_model(model_dir, max_seq_length)
-                except Exception as error:  # noqa: BLE001 - e.g. Unsloth 2026.10 loads nothing without bitsandbytes
-                    logger.warning("Unsloth imports but cannot load %s (%r); training with peft instead",
-                                   model_dir, error)
-    return load_peft_model(model_dir)
-
-
-def load_peft_model(model_dir: Path) -> tuple[PreTrainedModel, FirstAdapter, bool]:
-    """transformers' model for peft's LoRA (float32 on CPU, bfloat16 on a GPU), trained packed."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    logger.info("Trainer: peft LoRA on a %s copy of %s (%s)", device, model_dir, dtype)
-    return model, _peft_first_adapter, True
-
 
 def output_head(model: PreTrainedModel) -> torch.nn.Module:
     """The model's output projection, where its logits are exactly that projection of its decoder's
@@ -129,8 +86,26 @@ def loss_config(config: TrainConfig) -> LossConfig:
     return LossConfig(config.loss, epsilon, epsilon_high, config.beta)
 
 
+class AdapterUpdate:
+    """The optimizer step of an adapter being trained (`LoraTrainer.updating`)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+        self.params = params
+        self.optimizer = optimizer
+
+    def step(self, learning_rate: float, max_grad_norm: float) -> float:
+        """The accumulated gradient's norm clipped to `max_grad_norm`, one AdamW step at
+        `learning_rate`, the gradients cleared; the norm before clipping."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+
 class LoraTrainer:
-    def __init__(self, model: PreTrainedModel, first_adapter: FirstAdapter = _peft_first_adapter,
+    def __init__(self, model: PreTrainedModel, first_adapter: FirstAdapter = peft_first_adapter,
                  packing: bool = True, step_memory: Any | None = None) -> None:
         """`packing`: run each step's sequences as prefix trees (packing.py), which takes a model
         whose attention goes through transformers' attention interface: on CPU it attends per
@@ -181,28 +156,25 @@ class LoraTrainer:
             self.optimizers[key] = optimizer
         return key, params
 
-    def step(self, model_name: str, sequences: list[TrainSequence], config: TrainConfig, lora: LoraConfig,
-             resume_from: Path | None, save_to: Path) -> dict[str, float]:
-        started = time.perf_counter()
+    @contextlib.contextmanager
+    def updating(self, model_name: str, lora: LoraConfig, resume_from: Path | None, save_to: Path,
+                 checkpoint_activations: bool) -> Iterator[AdapterUpdate]:
+        """`model_name`'s adapter made active and trainable (continuing from `resume_from` if it is
+        not in memory), in train mode; on leaving without an error, its adapter and optimizer state
+        written to `save_to` (a step that raised writes nothing)."""
         key, params = self._adapter(model_name, lora, resume_from)
         assert self.peft is not None
         optimizer = self.optimizers[key]
-        for group in optimizer.param_groups:
-            group["lr"] = config.learning_rate
         optimizer.zero_grad(set_to_none=True)  # a step that failed halfway may have left gradients
-        if not sequences:  # a step without signal: the adapter and optimizer go on unchanged
-            self._save(key, optimizer, save_to)
-            return {"train_seconds": time.perf_counter() - started}
         with reusing_freed_memory(self.step_memory):
             self.peft.train()
-            self._checkpoint_activations(config.gradient_checkpointing)
-            sums = self.accumulate_gradients(sequences, config)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            self.peft.eval()
+            self._checkpoint_activations(checkpoint_activations)
+            try:
+                yield AdapterUpdate(params, optimizer)
+            finally:
+                optimizer.zero_grad(set_to_none=True)
+                self.peft.eval()
         self._save(key, optimizer, save_to)
-        return {**sums, "grad_norm": float(grad_norm), "train_seconds": time.perf_counter() - started}
 
     def _checkpoint_activations(self, on: bool) -> None:
         """Turn transformers' gradient checkpointing on or off, where it is not so already (Unsloth's
@@ -221,24 +193,12 @@ class LoraTrainer:
         """An SFT step (sft.py): one optimizer step per batch, batch b at `learning_rates[b]`, then
         one checkpoint. `config` gives the rest (clipping, micro-batches, checkpointing)."""
         started = time.perf_counter()
-        key, params = self._adapter(model_name, lora, resume_from)
-        assert self.peft is not None
-        optimizer = self.optimizers[key]
-        optimizer.zero_grad(set_to_none=True)  # a step that failed halfway may have left gradients
         tokens = [sum(sum(s.assistant_mask) for s in batch) for batch in batches]
         losses, norms = [], []
-        with reusing_freed_memory(self.step_memory):
-            self.peft.train()
-            self._checkpoint_activations(config.gradient_checkpointing)
+        with self.updating(model_name, lora, resume_from, save_to, config.gradient_checkpointing) as update:
             for batch, rate in zip(batches, learning_rates):
-                for group in optimizer.param_groups:
-                    group["lr"] = rate
                 losses.append(self.accumulate_gradients(batch, config, SFT_LOSS)["loss"])
-                norms.append(float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            self.peft.eval()
-        self._save(key, optimizer, save_to)
+                norms.append(update.step(rate, config.max_grad_norm))
         # each batch's loss is its tokens' mean, before its update: the step's is their token-weighted mean
         return {"loss": sum(l * n for l, n in zip(losses, tokens)) / max(sum(tokens), 1),
                 "loss/first_batch": losses[0], "loss/last_batch": losses[-1],
@@ -251,15 +211,17 @@ class LoraTrainer:
         `losses`: the loss to take (SFT's), if not the one `config` names."""
         assert self.peft is not None
         losses = losses or loss_config(config)
+        # each token's weight becomes its share of the step's loss, here once for every micro-batch
         total_weight = sum(s.weight * sum(s.assistant_mask) for s in sequences)
+        sequences = [dataclasses.replace(s, weight=s.weight / total_weight) for s in sequences]
         sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clipped_fraction": 0.0, "entropy": 0.0}
         batches = (pack(sequences, config.micro_batch_tokens) if self.packing
                    else padded_batches(sequences, len, config.micro_batch_tokens))
         for batch in batches:
             if isinstance(batch, PackedBatch):
-                terms, entropy = self._packed_backward(batch, config, losses, total_weight)
+                terms, entropy = self._packed_backward(batch, config, losses)
             else:
-                terms, entropy = self._backward(batch, config, losses, total_weight)
+                terms, entropy = self._backward(batch, config, losses)
             sums["loss"] += float(terms.loss.detach())
             sums["policy_loss"] += float(terms.policy_loss)
             sums["kl"] += float(terms.kl)
@@ -267,8 +229,7 @@ class LoraTrainer:
             sums["entropy"] += entropy
         return sums
 
-    def _backward(self, batch: list[TrainSequence], config: TrainConfig, losses: LossConfig,
-                  total_weight: float) -> tuple[LossTerms, float]:
+    def _backward(self, batch: list[TrainSequence], config: TrainConfig, losses: LossConfig) -> tuple[LossTerms, float]:
         """Unpacked: the sequences as rows padded to the longest (for a model whose attention takes
         no custom mask)."""
         length = len(batch[0])
@@ -282,7 +243,7 @@ class LoraTrainer:
             ids[row, :n] = torch.tensor(seq.token_ids)
             attention[row, :n] = 1
             rollout[row, :n] = torch.tensor(seq.logprobs)
-            weights[row, :n] = torch.tensor(seq.assistant_mask, dtype=torch.float) * (seq.weight / total_weight)
+            weights[row, :n] = torch.tensor(seq.assistant_mask, dtype=torch.float) * seq.weight
             advantages[row, :n] = seq.advantage
         # Only positions that predict a trained token need logits: skip the vocabulary projection
         # (a fifth of a small model's compute) over the prompt. Logits at position t predict
@@ -296,10 +257,9 @@ class LoraTrainer:
 
         targets, rollout, advantages, weights = (x[:, first:].flatten().to(self.device)
                                                  for x in (ids, rollout, advantages, weights))
-        return self._loss_backward(features, targets, rollout, advantages, weights, config, losses)
+        return self._loss_backward_saving_logit_memory(features, targets, rollout, advantages, weights, config, losses)
 
-    def _packed_backward(self, batch: PackedBatch, config: TrainConfig, losses: LossConfig,
-                         total_weight: float) -> tuple[LossTerms, float]:
+    def _packed_backward(self, batch: PackedBatch, config: TrainConfig, losses: LossConfig) -> tuple[LossTerms, float]:
         """Prefix-tree rows (see packing.py): each trained token's logits come from the one copy
         of its context; features only at the positions some term needs."""
         keep, term_index = torch.unique(batch.term_positions, return_inverse=True)
@@ -318,10 +278,10 @@ class LoraTrainer:
         def features() -> torch.Tensor:
             return self._features(inputs, keep)[rows, term_index]
 
-        weights = batch.term_weights / total_weight
         with attention:
-            return self._loss_backward(features, *(x.to(self.device) for x in (
-                batch.term_targets, batch.term_rollout_logprobs, batch.term_advantages, weights)), config, losses)
+            return self._loss_backward_saving_logit_memory(features, *(x.to(self.device) for x in (
+                batch.term_targets, batch.term_rollout_logprobs, batch.term_advantages, batch.term_weights)),
+                config, losses)
 
     def _features(self, inputs: dict[str, torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
         """What the output head turns into logits, at the positions `keep` of each row: the decoder's
@@ -331,9 +291,9 @@ class LoraTrainer:
             return self.peft(**inputs, logits_to_keep=keep).logits
         return self.base.get_decoder()(**inputs).last_hidden_state[:, keep]
 
-    def _loss_backward(self, features: Callable[[], torch.Tensor], targets: torch.Tensor, rollout: torch.Tensor,
-                       advantages: torch.Tensor, weights: torch.Tensor, config: TrainConfig,
-                       losses: LossConfig) -> tuple[LossTerms, float]:
+    def _loss_backward_saving_logit_memory(self, features: Callable[[], torch.Tensor], targets: torch.Tensor,
+                                           rollout: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
+                                           config: TrainConfig, losses: LossConfig) -> tuple[LossTerms, float]:
         """The loss of one forward's trained tokens (one per row of `features`), its gradients
         accumulated; and their entropy.
 

@@ -23,8 +23,8 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 from markupsafe import Markup
 
-from art_backend.model_store import ModelNotFoundError
-from art_backend.training.service import group_advantages
+from art_backend.errors import ModelNotFoundError
+from art_backend.training.grpo import group_advantages
 from art_backend.viewer.conversation import Conversation, conversation
 from art_backend.viewer.curve import reward_curve_svg, reward_series, split_colour
 from art_backend.viewer.store import ArtStore, NotInStore, StoredModel
