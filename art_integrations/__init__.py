@@ -25,18 +25,18 @@ from art_integrations.dataset import DatasetBatch, iterate_dataset
 from art_integrations.ray_rollouts import RayRollouts  # imports Ray only when a gather first uses it
 from art_integrations.retry import retry
 from art_integrations.dev import LoRAConfig  # ART 0.5.23's adapter settings, for TrainableModel(lora_config=...)
-from art_integrations.training import LoraConfig, TrainConfig, TrainSFTConfig
+from art_integrations.training import LoraConfig, TrainConfig, TrainResult, TrainSFTConfig
 from art_integrations.trajectory import Choice, History, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from art_integrations.backend import Backend, BackendError, LocalBackend, RemoteBackend
-    from art_integrations.model import Model, TrainableModel, TrainResult
+    from art_integrations.model import Model, TrainableModel
 
 # The backend clients load the openai SDK (~1 s): imported on first use (PEP 562), so that a process
 # needing only the data types above (the backend itself: trajectories, train configs) goes without.
 _ON_FIRST_USE = {
     **dict.fromkeys(["Backend", "BackendError", "LocalBackend", "RemoteBackend"], "art_integrations.backend"),
-    **dict.fromkeys(["Model", "TrainableModel", "TrainResult"], "art_integrations.model"),
+    **dict.fromkeys(["Model", "TrainableModel"], "art_integrations.model"),
 }
 
 __version__ = "0.1.0"

@@ -10,25 +10,24 @@ import asyncio
 import importlib.util
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import httpx
 from openai import AsyncOpenAI
 
 from art_integrations.art_config import settings_environment, settings_variables, train_config_with
 from art_integrations.checkpoint_sync import CheckpointSync
+from art_integrations.training import TrainConfig, TrainResult
 from art_integrations.transports.core import known_backend
+from art_integrations.wire import free_loopback_port
 
 if TYPE_CHECKING:
-    from art_integrations.model import TrainableModel, TrainResult
-    from art_integrations.training import TrainConfig
     from art_integrations.trajectory import TrajectoryGroup
 
 
@@ -38,6 +37,16 @@ logger = logging.getLogger(__name__)
 
 class BackendError(RuntimeError):
     """The backend refused or failed a request; the message is the backend's own."""
+
+
+@runtime_checkable
+class TrainsOnBackend(Protocol):
+    """What `Backend.train` asks of a model: a `TrainableModel`'s (model.py, which imports this module)."""
+
+    name: str
+    _backend: Backend | None
+
+    async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | None = None) -> TrainResult: ...
 
 
 class Backend(CheckpointSync):
@@ -122,15 +131,12 @@ class Backend(CheckpointSync):
             raise BackendError(f"{method} {path} failed ({response.status_code}): {message}")
         return response.json()
 
-    async def train(self, model: TrainableModel, groups: list[TrajectoryGroup], *, config: TrainConfig | None = None,
+    async def train(self, model: TrainsOnBackend, groups: list[TrajectoryGroup], *, config: TrainConfig | None = None,
                     **settings: Any) -> TrainResult:
         """ART's current call style: `await backend.train(model, groups, learning_rate=1e-5)`, the
         same step as `model.train(groups, TrainConfig(...))`; each setting is a TrainConfig field
         (one it does not know is refused by name)."""
-        from art_integrations.model import TrainableModel  # here: model.py imports this module
-        from art_integrations.training import TrainConfig
-
-        if not isinstance(model, TrainableModel):
+        if not isinstance(model, TrainsOnBackend):
             raise TypeError(f"backend.train trains a TrainableModel, not {type(model).__name__}")
         if config is not None and settings:
             raise TypeError("pass the settings as config=TrainConfig(...) or as keywords, not both")
@@ -164,12 +170,6 @@ class Backend(CheckpointSync):
 
 class RemoteBackend(Backend):
     """A backend started elsewhere (`art-backend serve --host ... --api-key ...`)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop_at_exit(backend: LocalBackend) -> None:
@@ -214,7 +214,7 @@ class LocalBackend(Backend):
             if art_dir != ".art" and Path(art_dir) != Path(path):
                 raise ValueError(f"art_dir={str(art_dir)!r} and path={str(path)!r} name the same thing: pass one")
             art_dir = path
-        port = port or _free_port()
+        port = port or free_loopback_port()
         super().__init__(f"http://127.0.0.1:{port}")
         self._process: subprocess.Popen[bytes] | None = None
         self._server: Any = None
@@ -259,7 +259,7 @@ class LocalBackend(Backend):
         super().take_engine_settings(settings, source)
 
     def _start_in_process(self, port: int, model: str | None, engine: str | None, art_dir: Path) -> None:
-        try:
+        try:  # the optional art-backend package (the client installs without it), so imported here
             import uvicorn
 
             from art_backend.app import build_app

@@ -11,10 +11,16 @@ partial push never looks complete: `art_backend/training/sync.py`.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
-if TYPE_CHECKING:
-    from art_integrations.model import Model
+
+
+class StoredModel(Protocol):
+    """A model as the art dir keeps its files, under `project/name`: a `Model` or a `TrainableModel`."""
+
+    project: str
+    name: str
+
 
 Part = Literal["checkpoints", "history", "trajectories"]
 # ART's parts: its "logs" folder (the engine's log files) is not kept in the art dir here
@@ -35,7 +41,7 @@ class CheckpointSync:
     async def request(self, method: str, path: str, json: Any = None) -> Any:
         raise NotImplementedError
 
-    async def push_checkpoints(self, model: Model, url: str, *, delete: bool = False,
+    async def push_checkpoints(self, model: StoredModel, url: str, *, delete: bool = False,
                                storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
         """Copy `model`'s checkpoints, history and trajectories to `<url>/<project>/models/<name>/`
         (`url`: any fsspec URL the backend can reach: s3://bucket/prefix, file:///path, ...).
@@ -44,7 +50,7 @@ class CheckpointSync:
         return await self.request("POST", f"/v1/training/models/{model.project}/{model.name}/push",
                                   {"url": url, "delete": delete, "storage_options": storage_options or {}})
 
-    async def pull_checkpoints(self, model: Model, url: str, *, step: int | Literal["latest"] | None = None,
+    async def pull_checkpoints(self, model: StoredModel, url: str, *, step: int | Literal["latest"] | None = None,
                                exclude: list[Part] | None = None,
                                storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
         """Bring `model`'s files from `<url>/<project>/models/<name>/` into the backend's art dir:
@@ -58,7 +64,7 @@ class CheckpointSync:
 
     # ----- ART's names ------------------------------------------------------------------------
 
-    async def _experimental_push_to_s3(self, model: Model, *, s3_bucket: str | None = None,
+    async def _experimental_push_to_s3(self, model: StoredModel, *, s3_bucket: str | None = None,
                                        prefix: str | None = None, verbose: bool = False,
                                        delete: bool = False) -> None:
         """ART's: push to s3://<s3_bucket or BACKUP_BUCKET>/<prefix>/<project>/models/<name>."""
@@ -66,7 +72,7 @@ class CheckpointSync:
         if verbose:
             print(f"pushed {len(result['uploaded'])} files to {result['url']} (steps {result['steps']})")
 
-    async def _experimental_pull_from_s3(self, model: Model, *, s3_bucket: str | None = None,
+    async def _experimental_pull_from_s3(self, model: StoredModel, *, s3_bucket: str | None = None,
                                          prefix: str | None = None, verbose: bool = False, delete: bool = False,
                                          only_step: int | Literal["latest"] | None = None, step: int | None = None,
                                          exclude: list[str] | None = None, latest_only: bool = False) -> None:

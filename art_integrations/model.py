@@ -9,22 +9,17 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from openai import AsyncOpenAI
-from pydantic import BaseModel, Field, PrivateAttr
+from pydantic import Field, PrivateAttr
 
 from art_integrations.art_config import from_internal_config, from_lora_config, train_config_with
 from art_integrations.backend import Backend, LocalBackend
 from art_integrations.observability.wandb import WandbReporter, reporter_for
 from art_integrations.strict import StrictModel
-from art_integrations.training import LoraConfig, TrainConfig, TrainSFTConfig
+from art_integrations.training import LoraConfig, TrainConfig, TrainResult, TrainSFTConfig
 from art_integrations.trajectory import Trajectory, TrajectoryGroup
 
 
 ExportFormat = Literal["adapter", "merged", "gguf"]
-
-
-class TrainResult(BaseModel):
-    step: int
-    metrics: dict[str, Any]
 
 
 class Model(StrictModel):
@@ -86,7 +81,12 @@ class Model(StrictModel):
 
     def _attach(self, backend: Backend) -> None:
         self._backend = backend
-        self._reporter = self._reporter or reporter_for(self)
+        self._reporter = self._reporter or reporter_for(self.project, self.name, self.report_metrics,
+                                                        self._run_config())
+
+    def _run_config(self) -> dict[str, Any]:
+        """What a W&B run of this model records as its config."""
+        return {"inference_model_name": self.inference_name, "inference_base_url": self.inference_base_url}
 
     def __getstate__(self) -> dict[Any, Any]:
         # Pickled (a rollout sent to a Ray worker), the model keeps its backend (which travels as its
@@ -191,6 +191,9 @@ class TrainableModel(Model):
         self.inference_api_key = backend.api_key or "unused"
         self.inference_model_name = self.name
         self._attach(backend)
+
+    def _run_config(self) -> dict[str, Any]:
+        return {"base_model": self.base_model, "lora": self.lora.model_dump()}
 
     def _take_internal_config(self, backend: Backend) -> None:
         if not self._internal_config:

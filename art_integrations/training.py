@@ -1,10 +1,10 @@
-"""Settings of a training step, sent to the backend: GRPO (`model.train()`) and SFT (`model.train_sft()`)."""
+"""Settings of a training step, sent to the backend: GRPO (`model.train()`) and SFT (`model.train_sft()`); and its answer."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from art_integrations.strict import StrictModel
 
@@ -85,3 +85,10 @@ class TrainSFTConfig(StrictModel):
         if isinstance(size, int) and size < 1:
             raise ValueError(f"batch_size must be at least 1 (trajectories per optimizer step) or 'auto', got {size}")
         return size
+
+
+class TrainResult(BaseModel):
+    """A committed step: its number (served as `<name>@<step>`) and its metrics."""
+
+    step: int
+    metrics: dict[str, Any]

@@ -34,7 +34,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from art_integrations.backend import _free_port
+from art_integrations.wire import free_loopback_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARY = re.compile(r"held-out score: base (?P<base>[-\d.]+) -> (?:after SFT (?P<sft>[-\d.]+) -> )?"
@@ -77,7 +77,7 @@ def run_job(example: str, seed: int, engine: str, job_args: list[str], vllm_pyth
     if engine == "torch":
         job += ["--engine", "torch", "--art-dir", str(art_dir)]
     else:
-        port, log = _free_port(), workdir / f"vllm-s{seed}.log"
+        port, log = free_loopback_port(), workdir / f"vllm-s{seed}.log"
         server = subprocess.Popen(
             [str(vllm_python), "-m", "art_backend", "serve", "--engine", "vllm", "--port", str(port),
              "--art-dir", str(art_dir)], cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)

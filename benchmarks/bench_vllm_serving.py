@@ -71,7 +71,7 @@ try:  # vLLM >= 0.25 keeps the server's parser here; 0.24 (the release for torch
 except ImportError:
     from vllm.entrypoints.openai.cli_args import make_arg_parser
 
-from art_integrations.backend import _free_port
+from art_integrations.wire import free_loopback_port
 
 FRONT_COST_TARGET = 0.90  # ours-vllm / bare-vllm
 IDLE_CPU_LIMIT = 0.05  # CPU seconds per second an idle server may use before its round is suspect
@@ -180,7 +180,7 @@ def server_commands(model_dir: Path, art_dir: str, names: list[str],
 
 def start_server(name: str, command: list[str], stack: contextlib.ExitStack) -> Server:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ART_BACKEND_")} | {"PYTHONUNBUFFERED": "1"}
-    port = _free_port()
+    port = free_loopback_port()
     server = Server(name, [*command, "--host", "127.0.0.1", "--port", str(port)], port, env)
     stack.callback(server.stop)
     return server

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from art_backend.engine.torch_engine import TorchEngine
 from art_backend.model_store import embedded_model_dir as _embedded_model_dir
 from art_backend.model_store import tiny_model_dir as _tiny_model_dir
 from art_backend.server import create_app
+from art_integrations.wire import free_loopback_port
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -137,19 +137,13 @@ def tiny_engine(tiny_model_dir: Path) -> Iterator[TorchEngine]:
     _close(engine)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerThread:
     """A real uvicorn server on a loopback port, in a background thread."""
 
     def __init__(self, app: object) -> None:
         import uvicorn
 
-        self.port = free_port()
+        self.port = free_loopback_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -27,7 +27,8 @@ from art_backend.server import create_app
 from art_backend.training.checkpoints import checkpoint_problem
 from art_backend.training.service import TrainingService
 from art_integrations import BackendError, RemoteBackend, TrainableModel, TrainConfig, Trajectory, TrainSFTConfig
-from tests.conftest import ServerThread, free_port, scored_group
+from art_integrations.wire import free_loopback_port
+from tests.conftest import ServerThread, scored_group
 
 TINY = "tiny-random-smollm2"
 AFTER_COMMIT = ("step_committed", "history_appended", "step_published")  # the step exists once restarted
@@ -38,7 +39,7 @@ RECOVERY_PASSES = "history_appended"  # the kill point in publishing a step, whi
 @contextmanager
 def backend_process(art_dir: Path, kill_at: str | None = None) -> Iterator[subprocess.Popen[bytes]]:
     """`art-backend serve` on the tiny model, as a process of its own; up when yielded."""
-    port = free_port()
+    port = free_loopback_port()
     env = {key: value for key, value in os.environ.items() if key != "ART_TEST_KILL_AT"}
     if kill_at is not None:
         env["ART_TEST_KILL_AT"] = kill_at
@@ -303,7 +304,7 @@ async def test_a_failed_request_names_the_servers_error_not_an_unreachable_backe
             for _ in range(3):
                 with pytest.raises(BackendError, match=r"failed \(500\): .*art-dir-is-a-file"):
                     await TrainableModel(name="m", project="p").register(backend)
-    async with RemoteBackend(f"http://127.0.0.1:{free_port()}") as nobody:
+    async with RemoteBackend(f"http://127.0.0.1:{free_loopback_port()}") as nobody:
         with pytest.raises(BackendError, match="Cannot reach the backend"):
             await TrainableModel(name="m", project="p").register(nobody)
 

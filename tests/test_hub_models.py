@@ -20,7 +20,8 @@ from art_backend.model_store import (EMBEDDED_HUB_ID, EMBEDDED_MODEL_NAME, Model
 
 from art_integrations import Model, TrainableModel
 from art_integrations.backend import BackendError, LocalBackend
-from tests.conftest import REPO, ServerThread, checkout_env, free_port
+from art_integrations.wire import free_loopback_port
+from tests.conftest import REPO, ServerThread, checkout_env
 from tests.fake_hub import FakeHub, HubRepo, commit_id, fake_hub_app, model_files, write_hub_cache
 
 MAIN, V2 = commit_id("main"), commit_id("v2")
@@ -160,7 +161,7 @@ def test_hub_failures_are_one_error_naming_the_model_and_the_fix(
     if hub == "offline":
         env["HF_HUB_OFFLINE"] = "1"
     elif hub == "unreachable":
-        env["HF_ENDPOINT"] = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+        env["HF_ENDPOINT"] = f"http://127.0.0.1:{free_loopback_port()}"  # nothing listens there
     result = subprocess.run([sys.executable, "-c", _RESOLVE, model, str(tmp_path / "art-cache"), revision],
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
@@ -172,7 +173,7 @@ def test_serve_names_a_hub_failure_in_one_line_without_a_traceback(fake_hub: tup
                                                                    tmp_path: Path) -> None:
     env = _env(HF_HUB_CACHE=str(tmp_path / "hub"), HF_ENDPOINT=fake_hub[1])
     result = subprocess.run([sys.executable, "-m", "art_backend", "serve", "--model", "org/tiny", "--revision", "v9",
-                             "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=300)
+                             "--port", str(free_loopback_port())], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert "Error: The hub model 'org/tiny' has no revision 'v9'" in result.stderr
     assert "Traceback" not in result.stderr

@@ -28,7 +28,8 @@ from art_backend.viewer import Tokenizers, create_viewer_app
 from art_backend.viewer.curve import SPLIT_COLOURS
 from art_integrations import Choice, History, LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
 from art_integrations.rewards import Judge, ruler_score_group
-from tests.conftest import ServerThread, free_port
+from art_integrations.wire import free_loopback_port
+from tests.conftest import ServerThread
 
 TINY = "tiny-random-smollm2"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -361,7 +362,7 @@ def viewer_command(stored_run: StoredRun, tmp_path_factory: pytest.TempPathFacto
     with log.open("w") as output:
         process = subprocess.Popen(
             [sys.executable, "-m", "art_backend", "view", "--art-dir", str(stored_run.art_dir), "--project", "demo",
-             "--name", "agent", "--port", str(free_port())],
+             "--name", "agent", "--port", str(free_loopback_port())],
             stdout=output, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(sys.path)})
     try:

@@ -57,7 +57,6 @@ from llama_index.core.instrumentation.span_handlers import BaseSpanHandler
 from llama_index.llms.openai.utils import to_openai_message_dict, to_openai_message_dicts
 
 from art_integrations.capture import CaptureScope, ModelCall, current_capture, record_call
-from art_integrations.llamaindex.llm import ARTLLM
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +78,7 @@ class _Facts:
 def _facts(instance: Any, bound_args: inspect.BoundArguments) -> _Facts | None:
     if isinstance(instance, BaseLLM):
         return _Facts(llm=True, llm_class=type(instance).__name__, endpoint=getattr(instance, "api_base", None),
-                      api_key=getattr(instance, "api_key", None), art_llm=isinstance(instance, ARTLLM))
+                      api_key=getattr(instance, "api_key", None), art_llm=getattr(type(instance), "is_art_policy", False))
     if isinstance(instance, AgentWorkflow):
         return _Facts(main_agent=instance.root_agent)
     if isinstance(instance, BaseWorkflowAgent):  # a lone agent's run

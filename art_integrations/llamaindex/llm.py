@@ -13,13 +13,14 @@ however many ways the handler was installed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 from llama_index.llms.openai.utils import resolve_openai_credentials
 from llama_index.llms.openai_like import OpenAILike
 
 from art_integrations.backend import Backend
+from art_integrations.llamaindex.handler import instrument
 from art_integrations.model import TrainableModel
 
 
@@ -56,6 +57,8 @@ class ARTLLM(OpenAILike):
     since a local backend needs none.
     """
 
+    is_art_policy: ClassVar[bool] = True  # the handler (handler.py) records these calls as the policy's
+
     def __init__(self, model: str, api_base: str, api_key: str | None = None, context_window: int | None = None,
                  temperature: float = 1.0, timeout: float = 600.0, **kwargs: Any) -> None:
         kwargs.setdefault("is_chat_model", True)
@@ -66,9 +69,6 @@ class ARTLLM(OpenAILike):
             context_window = fetch_context_window(api_base, model, api_key)
         super().__init__(model=model, api_base=api_base, api_key=api_key, context_window=context_window,
                          temperature=temperature, timeout=timeout, **kwargs)
-        # imported here: the handler imports this module to recognise ARTLLM's calls
-        from art_integrations.llamaindex.handler import instrument
-
         instrument(all_llms=False)  # keeps a handler the user installed as it is
 
     @classmethod

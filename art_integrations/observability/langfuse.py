@@ -42,6 +42,7 @@ from art_integrations.observability.langfuse_tree import (
     add_sub_history,
     closing,
     opening,
+    TraceLabels,
     trace_attributes,
 )
 from art_integrations.observability.stored import StoredFile, read_groups, stored_files
@@ -58,20 +59,6 @@ REQUIRED_ENV = ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY")
 TRACE_ID_KEY = "langfuse_trace_id"  # trajectory.metadata: the trace a live export created
 # Loggers the SDK's upload threads report failures on (records logged directly on them).
 _SDK_LOGGERS = ("langfuse", "opentelemetry.exporter.otlp.proto.http.trace_exporter")
-
-
-@dataclass(frozen=True)
-class TraceLabels:
-    """Where a group of rollouts belongs. `step`: the policy step that generated them."""
-
-    project: str
-    model: str
-    step: int
-    split: str = "train"
-
-    @property
-    def served_model(self) -> str:
-        return f"{self.model}@{self.step}"
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from art_integrations.trajectory import Choice, History
@@ -13,9 +14,21 @@ from art_integrations.trajectory import Choice, History
 if TYPE_CHECKING:
     from langfuse._client.span import LangfuseObservationWrapper
 
-    from art_integrations.observability.langfuse import TraceLabels
-
 _ATTRIBUTE_LIMIT = 200  # Langfuse drops a tag or propagated metadata value longer than this
+
+
+@dataclass(frozen=True)
+class TraceLabels:
+    """Where a group of rollouts belongs. `step`: the policy step that generated them."""
+
+    project: str
+    model: str
+    step: int
+    split: str = "train"
+
+    @property
+    def served_model(self) -> str:
+        return f"{self.model}@{self.step}"
 
 
 def _short(value: Any) -> str:

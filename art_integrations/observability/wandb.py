@@ -19,12 +19,9 @@ import os
 import re
 import threading
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from art_integrations.observability._imports import require
-
-if TYPE_CHECKING:
-    from art_integrations.model import Model
 
 logger = logging.getLogger(__name__)
 
@@ -117,19 +114,16 @@ class WandbReporter:
                 self.run = None
 
 
-def reporter_for(model: Model) -> WandbReporter | None:
-    """The reporter `model.report_metrics` asks for, or None. Asked for explicitly and not
-    installed: ImportError. Switched on by the environment and not installed: a warning."""
-    if not wandb_wanted(model.report_metrics):
+def reporter_for(project: str, name: str, report_metrics: Sequence[str] | None,
+                 config: dict[str, Any]) -> WandbReporter | None:
+    """The reporter a model's `report_metrics` asks for (its run's `config`), or None. Asked for
+    explicitly and not installed: ImportError. Switched on by the environment and not installed: a warning."""
+    if not wandb_wanted(report_metrics):
         return None
-    from art_integrations.model import TrainableModel  # here: model.py imports this module
-
-    config = ({"base_model": model.base_model, "lora": model.lora.model_dump()} if isinstance(model, TrainableModel)
-              else {"inference_model_name": model.inference_name, "inference_base_url": model.inference_base_url})
     try:
-        return WandbReporter(model.project, model.name, config)
+        return WandbReporter(project, name, config)
     except ImportError as error:
-        if model.report_metrics is not None:
+        if report_metrics is not None:
             raise
         logger.warning("WANDB_API_KEY or WANDB_MODE is set, but metrics are not logged to W&B: %s", error)
         return None

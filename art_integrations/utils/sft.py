@@ -22,11 +22,11 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from art_integrations.training import TrainSFTConfig
+from art_integrations.training import TrainResult, TrainSFTConfig
 from art_integrations.trajectory import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
-    from art_integrations.model import TrainableModel, TrainResult
+    from art_integrations.model import TrainableModel
 
 _LINE_KEYS = {"messages", "tools", "parallel_tool_calls"}
 _MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "weight", "reasoning_content"}

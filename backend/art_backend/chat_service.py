@@ -47,7 +47,8 @@ class _Prepared:
 
 
 @dataclass
-class _Choice:
+class GeneratedChoice:
+    """One choice as the engine's deltas build it (chat and text completions alike)."""
     index: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -151,7 +152,7 @@ class ChatService:
             return json_grammar(body.response_format.model_dump(by_alias=True))
         return None
 
-    def _finished(self, prompt_ids: list[int], choice: _Choice, tool_calls: list[dict[str, Any]]) -> None:
+    def _finished(self, prompt_ids: list[int], choice: GeneratedChoice, tool_calls: list[dict[str, Any]]) -> None:
         """A complete choice (not an aborted one) can be continued by the next turn's prompt, which
         carries back the ids of the tool calls it made."""
         if choice.finish_reason in ("stop", "length"):
@@ -182,7 +183,7 @@ class ChatService:
 
     async def complete(self, prepared: _Prepared) -> dict[str, Any]:
         body, generation = prepared.body, prepared.generation
-        choices = [_Choice(i) for i in range(generation.n)]
+        choices = [GeneratedChoice(i) for i in range(generation.n)]
         async for delta in self.engine.generate(generation):
             choice = choices[delta.index]
             choice.token_ids += delta.token_ids
@@ -210,7 +211,7 @@ class ChatService:
                 message["id"] = f"{response_id}-{choice.index}"
                 if prepared.token_logprobs:
                     entry["token_logprobs"] = reportable_logprobs(choice.logprobs)
-                self.records.add(message["id"], body.model, generation.prompt_ids, choice)
+                self.records.add(message["id"], body.model, generation.prompt_ids, choice.token_ids, choice.logprobs)
             out_choices.append(entry)
         completion_tokens = sum(len(c.token_ids) for c in choices)
         prompt_tokens = len(generation.prompt_ids)
@@ -237,7 +238,7 @@ class ChatService:
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(generation.n)], **first)
         filters = [prepared.reply_stream(self) for _ in range(generation.n)]
-        choices = [_Choice(i) for i in range(generation.n)]
+        choices = [GeneratedChoice(i) for i in range(generation.n)]
         completion_tokens = 0
         try:
             async for delta in self.engine.generate(generation):
@@ -252,7 +253,8 @@ class ChatService:
                     finish = self._stream_finish(delta, filters[delta.index], choice_id)
                     self._finished(generation.prompt_ids, choice, finish["delta"].get("tool_calls", []))
                     if choice_id is not None:
-                        self.records.add(choice_id, body.model, generation.prompt_ids, choice)
+                        self.records.add(choice_id, body.model, generation.prompt_ids, choice.token_ids,
+                                         choice.logprobs)
                     yield chunk([finish])
         except Exception as error:  # headers are sent: report in-band, as vLLM does
             logger.exception("Generation failed mid-stream")

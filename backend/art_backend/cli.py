@@ -126,7 +126,7 @@ def serve(
     import uvicorn
 
     from art_backend.app import build_app
-    from art_backend.model_store import ModelNotFoundError
+    from art_backend.errors import ModelNotFoundError
 
     try:
         application = build_app(settings)

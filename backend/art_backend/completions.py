@@ -18,18 +18,16 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from art_backend.chat_service import ChatService, GeneratedChoice
 from art_backend.continuation import encode_prompt
 from art_backend.engine.base import GenerationRequest, SequenceDelta, TokenLogprob
 from art_backend.errors import ContextLengthError, ModelNotServedError, UnsupportedFeatureError, error_body
 from art_backend.protocol import (NOT_IMPLEMENTED, StreamOptions, now, refuse_lone_surrogates, reportable,
                                   reportable_logprobs)
-
-if TYPE_CHECKING:
-    from art_backend.chat_service import ChatService
 
 logger = logging.getLogger(__name__)
 
@@ -102,15 +100,6 @@ class PreparedCompletion:
     response_id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
 
 
-@dataclass
-class _Sample:
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-
-
 def prepare(service: ChatService, body: CompletionRequest, token_logprobs: bool) -> PreparedCompletion:
     engine = service.engine
     if body.model not in engine.served_models():
@@ -169,13 +158,13 @@ def _tokens(prepared: PreparedCompletion, ids: list[int], entries: list[TokenLog
     return tokens
 
 
-def _finished(service: ChatService, prepared: PreparedCompletion, sample: _Sample) -> str | None:
+def _finished(service: ChatService, prepared: PreparedCompletion, sample: GeneratedChoice) -> str | None:
     """The record id under which a finished sample's exact tokens are kept (None without return_token_ids)."""
     if not prepared.body.return_token_ids:
         return None
     record_id = f"{prepared.response_id}-{sample.index}"
-    service.records.add(record_id, prepared.body.model, prepared.generation.prompt_ids,
-                        sample)  # type: ignore[arg-type]  # a _Sample has what the records read of a choice
+    service.records.add(record_id, prepared.body.model, prepared.generation.prompt_ids, sample.token_ids,
+                        sample.logprobs)
     return record_id
 
 
@@ -187,7 +176,7 @@ def _usage(prepared: PreparedCompletion, completion_tokens: int) -> dict[str, in
 
 async def complete(service: ChatService, prepared: PreparedCompletion) -> dict[str, Any]:
     body, generation = prepared.body, prepared.generation
-    samples = [_Sample(i) for i in range(generation.n)]
+    samples = [GeneratedChoice(i) for i in range(generation.n)]
     async for delta in service.engine.generate(generation):
         sample = samples[delta.index]
         sample.token_ids += delta.token_ids
@@ -213,7 +202,7 @@ async def stream(service: ChatService, prepared: PreparedCompletion) -> AsyncIte
     choice's record id on its last; `[DONE]` at the end."""
     body, generation = prepared.body, prepared.generation
     base = {"id": prepared.response_id, "object": "text_completion", "created": now(), "model": body.model}
-    samples = [_Sample(i) for i in range(generation.n)]
+    samples = [GeneratedChoice(i) for i in range(generation.n)]
     first = True
     completion_tokens = 0
     try:
@@ -231,8 +220,8 @@ async def stream(service: ChatService, prepared: PreparedCompletion) -> AsyncIte
     yield "data: [DONE]\n\n"
 
 
-def _stream_chunk(service: ChatService, prepared: PreparedCompletion, samples: list[_Sample], delta: SequenceDelta,
-                  first: bool) -> dict[str, Any]:
+def _stream_chunk(service: ChatService, prepared: PreparedCompletion, samples: list[GeneratedChoice],
+                  delta: SequenceDelta, first: bool) -> dict[str, Any]:
     """The chunk of one delta (its choice, and on the first the prompt's ids)."""
     body = prepared.body
     sample = samples[delta.index]

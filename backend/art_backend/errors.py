@@ -26,6 +26,9 @@ This module imports nothing from the backend, so any of its modules can raise th
     │   ├── BaseModelMismatchError   409  ConflictError             -         a model trained on another base
     │   └── DamagedCheckpointError   409  ConflictError             -         a checkpoint that does not load
     └── StorageError                 502  StorageError              url       the object store failed or refused
+
+    ModelNotFoundError (RuntimeError): the model to serve cannot be found or loaded, met at start
+    (and by the viewer and export, which load a model too), before anything is answered.
 """
 
 from __future__ import annotations
@@ -173,3 +176,10 @@ class ExportSpaceError(ExportError):
     status_code = 507
     error_type = "InsufficientStorageError"
     param = "out"
+
+
+# ----- starting: the model to serve (not an answer: the command that starts ends with it) ------
+
+
+class ModelNotFoundError(RuntimeError):
+    """The model to serve is not where it was looked for, or does not load; the message names it and the fix."""

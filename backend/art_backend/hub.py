@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from art_backend.model_store import ModelNotFoundError
+from art_backend.errors import ModelNotFoundError
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from art_backend.errors import ModelNotFoundError
+from art_backend.hub import cached_hub_model_dir, hub_model_dir
+
 logger = logging.getLogger(__name__)
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -31,10 +34,6 @@ _TINY_HIDDEN_SIZE = 128
 # SmolLM2-135M-Instruct's own special tokens (its tokenizer_config.json and config.json)
 _EMBEDDED_SPECIAL_TOKENS = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
                             "unk_token": "<|endoftext|>"}
-
-
-class ModelNotFoundError(RuntimeError):
-    pass
 
 
 def embedded_gguf_path() -> Path:
@@ -179,8 +178,6 @@ def looks_like_path(model: str) -> bool:
 def resolve_model_dir(model: str | None, cache_dir: Path, revision: str | None = None) -> Path:
     """The model directory to serve: the `model` setting (a directory, the tiny test model, or a
     hub id at `revision`), else the embedded default."""
-    from art_backend.hub import cached_hub_model_dir, hub_model_dir  # here: hub.py raises this module's errors
-
     if revision is not None and (model in (None, TINY_MODEL_NAME, EMBEDDED_MODEL_NAME) or looks_like_path(model)):
         raise ModelNotFoundError(f"A revision ({revision!r}) picks a version of a hub model; "
                                  f"{model or EMBEDDED_MODEL_NAME!r} is not one. Leave the revision unset, "

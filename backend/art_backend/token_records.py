@@ -7,12 +7,10 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from art_backend.engine.base import TokenLogprob
 from art_backend.protocol import reportable_logprobs
-
-if TYPE_CHECKING:
-    from art_backend.chat_service import _Choice
 
 
 class TokenRecords:
@@ -30,9 +28,9 @@ class TokenRecords:
     def _size(record: tuple[str, array[int], array[int], array[float]]) -> int:
         return sum(part.itemsize * len(part) for part in record[1:])  # type: ignore[union-attr]
 
-    def add(self, choice_id: str, model: str, prompt_ids: list[int], choice: _Choice) -> None:
-        record = (model, array("i", prompt_ids), array("i", choice.token_ids),
-                  array("d", reportable_logprobs(choice.logprobs)))
+    def add(self, choice_id: str, model: str, prompt_ids: list[int], token_ids: list[int],
+            logprobs: list[TokenLogprob]) -> None:
+        record = (model, array("i", prompt_ids), array("i", token_ids), array("d", reportable_logprobs(logprobs)))
         self._records[choice_id] = record
         self._bytes += self._size(record)
         while self._bytes > self.budget_bytes and self._records:

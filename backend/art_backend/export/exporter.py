@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from art_backend.durable import fsync_directory, fsync_tree
-from art_backend.errors import ExportError, ExportSpaceError
+from art_backend.errors import ExportError, ExportSpaceError, ModelNotFoundError
 from art_backend.export import llama_cpp, ollama
-from art_backend.model_store import EMBEDDED_HUB_ID, EMBEDDED_MODEL_NAME, looks_like_path
+from art_backend.model_store import (EMBEDDED_HUB_ID, EMBEDDED_MODEL_NAME, TINY_MODEL_NAME, looks_like_path,
+                                     resolve_model_dir)
 from art_backend.training.checkpoints import STEP_STAGING_PREFIX, ModelFiles, checkpoint_problem
 
 logger = logging.getLogger(__name__)
@@ -312,7 +313,6 @@ def stored_model(art_dir: Path, project: str, name: str, cache_dir: Path,
     """The trained model `project/name` of `art_dir` and its base model: `model` (a directory, hub id
     or the tiny model's name, as `art-backend serve --model` takes it), else the one its model.json
     names (the embedded and tiny models and hub ids are found by name)."""
-    from art_backend.model_store import TINY_MODEL_NAME, ModelNotFoundError, resolve_model_dir
     from art_integrations.training import LoraConfig
 
     directory = Path(art_dir) / project / "models" / name

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from art_backend.model_store import publish_directory
+from art_integrations.wire import free_loopback_port
 
 logger = logging.getLogger(__name__)
 
@@ -185,9 +186,7 @@ def _run_showing_progress(command: list[str]) -> None:
 def start_server(binary: Path, gguf: Path, threads: int, slots: int, log: Path,
                  extra: Iterable[str] = ()) -> tuple[subprocess.Popen[bytes], str]:
     """llama-server on a free loopback port serving `gguf`, once its /health answers: (process, base URL)."""
-    from art_integrations.backend import _free_port  # the client's, as the benchmarks use it
-
-    port = _free_port()
+    port = free_loopback_port()
     command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads),
                "--threads-batch", str(threads), "--parallel", str(slots), "--ctx-size", str(slots * 512), *extra]
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
