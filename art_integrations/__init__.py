@@ -13,7 +13,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 from art_integrations import dev
-from art_integrations.capture import art_capture, current_capture, current_trajectory, no_capture, trajectory
+from art_integrations.capture import art_capture, trajectory
+from art_integrations.capture_scope import current_capture, current_trajectory, no_capture
 from art_integrations.gather import (
     GatheredGroups,
     TooManyRolloutErrors,

@@ -65,7 +65,10 @@ from langchain_core.outputs import ChatGeneration, LLMResult
 from langchain_openai import ChatOpenAI
 
 from art_integrations import LocalBackend, Trajectory, gather_trajectories
-from art_integrations.capture import ModelCall, art_capture, assemble, exact_choice, record_call
+from art_integrations.capture import art_capture
+from art_integrations.capture_scope import ModelCall, record_call
+from art_integrations.capture_tokens import exact_choice
+from art_integrations.trajectory_assembly import assemble
 from art_integrations.langchain.callback import ARTCallbackHandler
 from art_integrations.langchain.chat_model import ChatART
 

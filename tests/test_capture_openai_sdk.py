@@ -15,7 +15,7 @@ import pytest
 from langchain_openai import ChatOpenAI
 
 import art_integrations as art
-from art_integrations import Trajectory, art_capture, capture
+from art_integrations import Trajectory, art_capture, capture_tokens
 from art_integrations.langchain import ARTCallbackHandler, ChatART
 from art_integrations.llamaindex import ARTLLM
 from art_integrations.wire import BACKEND_HEADER
@@ -45,7 +45,7 @@ def no_token_fetch(monkeypatch: pytest.MonkeyPatch) -> None:
     """The transport reads each call's tokens and logprobs from its reply: a second request fails the test."""
     def fetch(*args: Any, **kwargs: Any) -> None:
         pytest.fail(f"a token fetch was made: {args}")
-    monkeypatch.setattr(capture._http, "post", fetch)
+    monkeypatch.setattr(capture_tokens._http, "post", fetch)
 
 
 async def test_every_sdk_call_is_recorded_with_its_exact_tokens(url: str, no_token_fetch: None) -> None:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from art_backend.server import create_app
 
-from art_integrations import Trajectory, art_capture, capture
+from art_integrations import Trajectory, art_capture, capture_tokens
 from art_integrations.transports import patching
 from art_integrations.wire import TOKEN_LOGPROBS_HEADER
 from tests.clients.http_calls import CLIENTS, Received, installed, send
@@ -46,7 +46,7 @@ def recorded_exactly(trajectory: Trajectory, received: list[Received], base_url:
 def no_token_fetch(monkeypatch: pytest.MonkeyPatch) -> None:
     def fetch(*args: Any, **kwargs: Any) -> None:
         pytest.fail(f"a token fetch was made: {args}")
-    monkeypatch.setattr(capture._http, "post", fetch)
+    monkeypatch.setattr(capture_tokens._http, "post", fetch)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -120,14 +120,14 @@ async def test_the_first_call_to_an_unnamed_backend_leaves_untouched_and_is_reco
     its reply's token ids and record id are recorded, the logprobs fetched at exit; later calls ask
     for them in the reply."""
     fetched: list[list[str]] = []
-    post = capture._http.post
+    post = capture_tokens._http.post
 
     def counting(url: str, **kwargs: Any) -> Any:
         fetched.append(kwargs["json"]["ids"])
         return post(url, **kwargs)
 
     with other(tiny_engine, mark=True) as (server, seen), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(capture._http, "post", counting)
+        patch.setattr(capture_tokens._http, "post", counting)
         url = f"{server.base_url}/v1/chat/completions"
         async with art_capture() as trajectory:
             received = [await send("httpx-async", url, CHAT), await send("requests", url, CHAT, stream=True)]

@@ -137,6 +137,7 @@ async def test_drop_in_tokens_travel_with_the_reply(tiny_llm: ChatART, monkeypat
     and a capture makes no request of its own on exit, even to a backend no client named; they are
     the ones the backend recorded (fetched here explicitly to compare), each call recorded once."""
     import art_integrations.capture as capture
+    import art_integrations.capture_tokens as capture_tokens
     import art_integrations.transports.core as transport
 
     monkeypatch.setattr(transport, "_backends", {})  # as in a fresh process: the server is not yet known
@@ -155,7 +156,8 @@ async def test_drop_in_tokens_travel_with_the_reply(tiny_llm: ChatART, monkeypat
 
     monkeypatch.undo()
     ids = [message.id, sum(streamed[1:], streamed[0]).id]
-    records = capture._http.post(f"{tiny_llm.openai_api_base}/art/token_records", json={"ids": ids}).json()["records"]
+    records = capture_tokens._http.post(f"{tiny_llm.openai_api_base}/art/token_records",
+                                        json={"ids": ids}).json()["records"]
     for choice, record in zip(choices, (records[i] for i in ids)):
         assert choice.token_ids == record["token_ids"] and choice.prompt_token_ids == record["prompt_token_ids"]
         assert choice.token_logprobs == pytest.approx(record["logprobs"], abs=1e-5)
@@ -235,7 +237,7 @@ async def test_handler_calls_take_the_transports_tokens_and_missing_logprobs_are
     tokens it takes. A backend no client named sends its first replies without logprobs: under
     gather the captures leave that fetch to the group, rewards read the replies as messages, and one
     request per group then puts every reply's exact tokens in place. Nothing is recorded twice."""
-    import art_integrations.capture as capture
+    import art_integrations.capture_tokens as capture_tokens
     import art_integrations.transports.core as transport
 
     monkeypatch.setattr(transport, "_backends", {})  # as in a fresh process: the server is not yet known
@@ -243,13 +245,13 @@ async def test_handler_calls_take_the_transports_tokens_and_missing_logprobs_are
                      max_tokens=40, extra_body={"return_token_ids": True})
     handler = ARTCallbackHandler()
     fetches: list[list[str]] = []
-    post = capture._http.post
+    post = capture_tokens._http.post
 
     def counting_post(url: str, **kwargs: Any) -> Any:
         fetches.append(kwargs["json"]["ids"])
         return post(url, **kwargs)
 
-    monkeypatch.setattr(capture._http, "post", counting_post)
+    monkeypatch.setattr(capture_tokens._http, "post", counting_post)
 
     async def rollout() -> Trajectory:
         async with art_capture() as trajectory:

@@ -37,7 +37,7 @@ from langchain_core.messages import BaseMessage, convert_to_openai_messages
 from langchain_core.outputs import LLMResult
 from langchain_core.tracers.context import register_configure_hook
 
-from art_integrations.capture import CaptureScope, ModelCall, current_capture, record_call
+from art_integrations.capture_scope import CaptureScope, ModelCall, current_capture, record_call
 
 logger = logging.getLogger(__name__)
 

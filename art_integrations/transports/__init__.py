@@ -13,10 +13,10 @@ context-variable read.
 Inside a capture, a POST to a chat-completions, Responses or completions path is looked at; what
 it becomes is core.py's: recorded only where the reply carries the backend's `X-Art-Backend`
 header, with its exact tokens and logprobs read from the reply: the one way a call's tokens reach a
-trajectory. A call ChatART, ARTLLM or a callback handler records too is one call (`capture._once`,
-by token record id): theirs names the agent it ran in, the tokens are these. A client none of
-these adapters covers (a websocket, gRPC, another HTTP library) is not seen: the capture that
-then records nothing says what to do (`capture.NO_CALLS`).
+trajectory. A call ChatART, ARTLLM or a callback handler records too is one call
+(`trajectory_assembly._once`, by token record id): theirs names the agent it ran in, the tokens are
+these. A client none of these adapters covers (a websocket, gRPC, another HTTP library) is not
+seen: the capture that then records nothing says what to do (`capture_scope.NO_CALLS`).
 """
 
 from __future__ import annotations
