@@ -24,7 +24,7 @@ ENGINE_TESTS := tests/test_grpo_learns.py tests/test_openai_api.py tests/test_en
 VLLM_TESTS := tests/test_chat_families.py tests/test_grpo_learns.py tests/test_engines.py tests/test_openai_api.py \
 	tests/test_training_backend.py tests/test_export.py tests/test_sft.py tests/test_gpu_kit.py
 # `make test-quick`: the tests that need no script, example or backend process of their own
-QUICK_TESTS := tests/test_training_units.py tests/test_tree_attention.py tests/test_chat_format.py tests/test_gather.py \
+QUICK_TESTS := tests/test_layout.py tests/test_training_units.py tests/test_tree_attention.py tests/test_chat_format.py tests/test_gather.py \
 	tests/test_client_settings.py tests/test_capture_openai_sdk.py tests/test_capture_warnings.py \
 	tests/test_hostile_input.py tests/test_art_config.py tests/test_load.py tests/test_openai_api.py tests/test_ruler.py
 
