@@ -31,6 +31,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# The translation units torch compiles. cpu_kernels.cpp includes the kernels themselves from kernels/*.h
+# (by relative path): torch's ninja build records each object's headers (gcc's depfile), so editing
+# one rebuilds at the next start, as editing a source does.
 _SOURCES = [Path(__file__).with_name("cpu_kernels.cpp"), Path(__file__).with_name("step_memory.cpp")]
 
 # The vector instructions torch itself uses on this CPU, as compiler flags: the kernels' loops and
