@@ -23,7 +23,7 @@ TILE = 16  # outputs the kernel computes at once
 
 @dataclass(frozen=True)
 class ExactGroups:
-    """w[o, i] = scale * q + offset per group, laid out for `linear_groups` (see cpu_kernels.cpp)."""
+    """w[o, i] = scale * q + offset per group, laid out for `linear_groups` (see kernels/int_groups.h)."""
 
     bits: int  # 4 or 8
     codes: Tensor  # uint8 [out / 16, in * bits / 8, 16]
