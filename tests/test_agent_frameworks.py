@@ -31,7 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 @pytest.fixture(scope="module")
 def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBackend]:
-    running = LocalBackend(model="tiny-random-smollm2", art_dir=tmp_path_factory.mktemp("art"))
+    running = LocalBackend(in_process=True, model="tiny-random-smollm2", art_dir=tmp_path_factory.mktemp("art"))
     yield running
     running.stop()
 

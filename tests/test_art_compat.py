@@ -204,7 +204,7 @@ def test_art_names_without_a_counterpart_say_what_to_use() -> None:
 
 
 async def test_backend_train_refuses_what_train_config_does_not_know(tmp_path: Path) -> None:
-    async with art.LocalBackend(model="tiny-random-smollm2", art_dir=tmp_path) as backend:
+    async with art.LocalBackend(in_process=True, model="tiny-random-smollm2", art_dir=tmp_path) as backend:
         model = art.TrainableModel(name="refuses", project="compat")
         with pytest.raises(RuntimeError, match="not registered"):
             await backend.train(model, [], learning_rate=1e-4)

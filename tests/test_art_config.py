@@ -75,7 +75,7 @@ def test_art_names_on_models_and_backends_say_what_to_use() -> None:
 
 async def test_a_registered_model_takes_its_internal_config_and_trains_with_underscore_config(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    async with art.LocalBackend(model=TINY, art_dir=tmp_path) as backend:
+    async with art.LocalBackend(in_process=True, model=TINY, art_dir=tmp_path) as backend:
         model = art.TrainableModel(name="game", project="ports")
         model._internal_config = {**GAME_CONFIG, "peft_args": {"r": 4, "lora_alpha": 8}}  # as ART's examples do
         with caplog.at_level(logging.WARNING):
@@ -105,7 +105,7 @@ async def test_a_backend_given_no_model_starts_with_the_first_models_internal_co
     """ART's pattern: `LocalBackend()`, then a model whose `_internal_config` sizes the engine; here the
     backend starts on that model's base with those settings (not only a warning)."""
     monkeypatch.delenv("ART_BACKEND_MODEL", raising=False)
-    async with art.LocalBackend(art_dir=tmp_path) as backend:
+    async with art.LocalBackend(in_process=True, art_dir=tmp_path) as backend:
         model = art.TrainableModel(name="sized", project="ports", base_model=str(tiny_model_dir),
                                    _internal_config={"init_args": {"max_seq_length": 512}})
         await model.register(backend)

@@ -269,7 +269,7 @@ class Run:
 async def run(exporter: LangfuseExporter, tmp_path_factory: pytest.TempPathFactory) -> Run:
     art_dir = tmp_path_factory.mktemp("art")
     judge = ScriptedJudge()
-    async with LocalBackend(model="tiny-random-smollm2", art_dir=art_dir) as backend:
+    async with LocalBackend(in_process=True, model="tiny-random-smollm2", art_dir=art_dir) as backend:
         model = TrainableModel(name="agent", project="lf-demo")
         await model.register(backend)
         agent = react_agent(ChatART.from_model(model, max_tokens=40, timeout=30))

@@ -297,7 +297,7 @@ async def test_a_handler_call_the_transport_never_saw_is_kept_as_a_message_and_s
 
 
 async def test_a_captured_agent_trajectory_trains_one_step(tmp_path: Path) -> None:
-    async with LocalBackend(model="tiny-random-smollm2", art_dir=tmp_path) as backend:
+    async with LocalBackend(in_process=True, model="tiny-random-smollm2", art_dir=tmp_path) as backend:
         model = TrainableModel(name="agent", project="langgraph")
         await model.register(backend)
         agent = react_agent(ChatART.from_model(model, max_tokens=40))

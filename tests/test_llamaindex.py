@@ -265,7 +265,7 @@ async def test_the_drop_in_alone_records_only_its_own_calls(tiny_server: ServerT
 
 
 async def test_a_captured_agent_trajectory_trains_one_step(tmp_path: Path) -> None:
-    async with LocalBackend(model="tiny-random-smollm2", art_dir=tmp_path) as backend:
+    async with LocalBackend(in_process=True, model="tiny-random-smollm2", art_dir=tmp_path) as backend:
         model = TrainableModel(name="agent", project="llamaindex")
         await model.register(backend)
         agent = function_agent(ARTLLM.from_model(model, max_tokens=40))

@@ -260,7 +260,7 @@ async def test_combine_with_ruler_keeps_both_parts(stub: StubJudge) -> None:
 
 
 async def test_a_ruler_scored_group_trains_one_grpo_step(stub: StubJudge, tmp_path: Path) -> None:
-    async with LocalBackend(model="tiny-random-smollm2", art_dir=tmp_path) as backend:
+    async with LocalBackend(in_process=True, model="tiny-random-smollm2", art_dir=tmp_path) as backend:
         model = TrainableModel(name="judged", project="ruler")
         await model.register(backend)
         assert (await resolve_judge(model)).model == "tiny-random-smollm2" == (await resolve_judge(backend)).model

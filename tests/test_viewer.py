@@ -124,7 +124,7 @@ def stored_run(tmp_path_factory: pytest.TempPathFactory) -> StoredRun:
     async def run() -> list[TrajectoryGroup]:
         with ServerThread(scripted_judge()) as judge_server:
             judge = Judge(base_url=f"{judge_server.base_url}/v1", model="scripted-judge")
-            async with LocalBackend(model=TINY, art_dir=art_dir) as backend:
+            async with LocalBackend(in_process=True, model=TINY, art_dir=art_dir) as backend:
                 model = TrainableModel(name="agent", project="demo")
                 await model.register(backend)
                 # the first group's rewards change from step to step, so the curves rise and differ

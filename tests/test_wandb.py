@@ -92,7 +92,7 @@ def art_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 async def backend(art_dir: Path) -> AsyncIterator[LocalBackend]:
-    async with LocalBackend(model="tiny-random-smollm2", art_dir=art_dir) as running:
+    async with LocalBackend(in_process=True, model="tiny-random-smollm2", art_dir=art_dir) as running:
         yield running
 
 
