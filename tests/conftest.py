@@ -27,6 +27,7 @@ from art_backend.engine.torch_engine import TorchEngine
 from art_backend.model_store import embedded_model_dir as _embedded_model_dir
 from art_backend.model_store import tiny_model_dir as _tiny_model_dir
 from art_backend.server import create_app
+from art_integrations import LocalBackend
 from art_integrations.wire import free_loopback_port
 
 
@@ -197,6 +198,12 @@ def tiny_training_server(tiny_engine: TorchEngine, tmp_path_factory: pytest.Temp
     with training_server(tiny_engine, art_dir) as running:
         running.art_dir = art_dir  # type: ignore[attr-defined]
         yield running
+
+
+def tiny_backend(art_dir: Path) -> LocalBackend:
+    """A LocalBackend on the tiny model inside the test's process, for the tests whose point is not
+    the backend's own process: a process of its own costs a start (imports, the model's load) each time."""
+    return LocalBackend(in_process=True, model="tiny-random-smollm2", art_dir=art_dir)
 
 
 class NotABackend:

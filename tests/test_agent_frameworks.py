@@ -25,13 +25,14 @@ from art_integrations import (
 from art_integrations.gather import gather_trajectory_groups
 from art_integrations.training import TrainConfig
 from tests.clients.framework_agents import pydantic_ai_triage
+from tests.conftest import tiny_backend
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
 def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBackend]:
-    running = LocalBackend(in_process=True, model="tiny-random-smollm2", art_dir=tmp_path_factory.mktemp("art"))
+    running = tiny_backend(tmp_path_factory.mktemp("art"))
     yield running
     running.stop()
 

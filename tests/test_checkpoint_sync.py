@@ -11,9 +11,8 @@ import boto3
 import pytest
 
 from art_integrations import BackendError, LocalBackend, TrainableModel, TrainConfig
-from tests.conftest import scored_group
+from tests.conftest import scored_group, tiny_backend
 
-TINY = "tiny-random-smollm2"
 BUCKET = "art-runs"  # created by the first push, as ART's push does
 
 
@@ -31,7 +30,7 @@ async def _train_step(model: TrainableModel, scenario: str) -> int:
 
 async def test_a_pull_into_an_empty_art_dir_resumes_training_at_the_pulled_step(tmp_path: Path, s3: str) -> None:
     where = "exp/demo/models/agent/"
-    async with LocalBackend(in_process=True, model=TINY, art_dir=tmp_path / "first") as backend:
+    async with tiny_backend(tmp_path / "first") as backend:
         model = TrainableModel(name="agent", project="demo")
         await model.register(backend)
         assert await _train_step(model, "a") == 1
@@ -41,7 +40,7 @@ async def test_a_pull_into_an_empty_art_dir_resumes_training_at_the_pulled_step(
     assert {"manifest.json", "model.json", "history.jsonl", "checkpoints/0001/adapter_model.safetensors",
             "checkpoints/0001/optimizer.pt", "trajectories/train/0001.jsonl", "trajectories/val/0001.jsonl"} <= stored
 
-    async with LocalBackend(in_process=True, model=TINY, art_dir=tmp_path / "second") as backend:  # another machine, empty art dir
+    async with tiny_backend(tmp_path / "second") as backend:  # another machine, empty art dir
         model = TrainableModel(name="agent", project="demo")
         await backend._experimental_pull_from_s3(model, s3_bucket=BUCKET, prefix="exp")  # ART's order: pull, register
         await model.register(backend)
@@ -56,7 +55,7 @@ async def test_a_pull_into_an_empty_art_dir_resumes_training_at_the_pulled_step(
     manifest = json.loads(boto3.client("s3").get_object(Bucket=BUCKET, Key=where + "manifest.json")["Body"].read())
     assert manifest["steps"] == [1, 2]
 
-    async with LocalBackend(in_process=True, model=TINY, art_dir=tmp_path / "third") as backend:  # only the newest step
+    async with tiny_backend(tmp_path / "third") as backend:  # only the newest step
         model = TrainableModel(name="agent", project="demo")
         await backend._experimental_pull_from_s3(model, s3_bucket=BUCKET, prefix="exp", only_step="latest",
                                                  exclude=["trajectories", "logs"])
@@ -71,7 +70,7 @@ async def test_a_push_killed_before_its_manifest_never_looks_complete(tmp_path: 
                                                                       tiny_model_dir: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     art_dir = tmp_path / "trained"
-    async with LocalBackend(in_process=True, model=TINY, art_dir=art_dir) as backend:
+    async with tiny_backend(art_dir) as backend:
         model = TrainableModel(name="agent", project="demo")
         await model.register(backend)
         await _train_step(model, "a")
@@ -88,7 +87,7 @@ async def test_a_push_killed_before_its_manifest_never_looks_complete(tmp_path: 
     assert "checkpoints/0002/adapter_model.safetensors" in _keys(s3, "demo/models/agent/")  # uploaded, not listed
     monkeypatch.delenv("ART_TEST_KILL_AT")
 
-    async with LocalBackend(in_process=True, model=TINY, art_dir=tmp_path / "restored") as backend:
+    async with tiny_backend(tmp_path / "restored") as backend:
         model = TrainableModel(name="agent", project="demo")
         result = await backend.pull_checkpoints(model, f"s3://{BUCKET}")
         assert result["pulled"] == [1]  # step 2 never had its manifest
@@ -98,7 +97,7 @@ async def test_a_push_killed_before_its_manifest_never_looks_complete(tmp_path: 
 
 async def test_any_fsspec_url_serves_pulled_steps_and_refuses_damage(tmp_path: Path) -> None:
     store = f"file://{tmp_path / 'store'}"
-    async with LocalBackend(in_process=True, model=TINY, art_dir=tmp_path / "first") as backend:
+    async with tiny_backend(tmp_path / "first") as backend:
         model = TrainableModel(name="agent", project="demo")
         nothing = await backend.pull_checkpoints(model, store)  # a first run pulls before anything was pushed
         assert nothing["pulled"] == [] and "nothing at" in nothing["note"]
@@ -106,7 +105,7 @@ async def test_any_fsspec_url_serves_pulled_steps_and_refuses_damage(tmp_path: P
         await _train_step(model, "a")
         assert (await backend.push_checkpoints(model, store))["steps"] == [1]
 
-    async with LocalBackend(in_process=True, model=TINY, art_dir=tmp_path / "second") as backend:
+    async with tiny_backend(tmp_path / "second") as backend:
         model = TrainableModel(name="agent", project="demo")
         await model.register(backend)  # registered first: the pulled step is served at once
         assert (await backend.pull_checkpoints(model, store, step=1))["pulled"] == [1]
@@ -126,7 +125,7 @@ async def test_any_fsspec_url_serves_pulled_steps_and_refuses_damage(tmp_path: P
         damaged = tmp_path / "store" / "demo" / "models" / "agent" / "checkpoints" / "0001" / "optimizer.pt"
         damaged.write_bytes(b"not the pushed bytes")
         other = TrainableModel(name="agent", project="demo")
-    async with LocalBackend(in_process=True, model=TINY, art_dir=tmp_path / "third") as backend:
+    async with tiny_backend(tmp_path / "third") as backend:
         with pytest.raises(BackendError, match="optimizer.pt does not match the manifest"):
             await backend.pull_checkpoints(other, store)
         await other.register(backend)

@@ -33,7 +33,6 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from art_integrations import (
-    LocalBackend,
     TrainableModel,
     TrainConfig,
     Trajectory,
@@ -46,7 +45,7 @@ from art_integrations.langchain import ARTCallbackHandler, ChatART
 from art_integrations.observability import LangfuseExporter, TraceLabels
 from art_integrations.rewards import Judge, ruler
 from art_integrations.trajectory import Choice
-from tests.conftest import ServerThread, checkout_env, supervisor_graph
+from tests.conftest import checkout_env, ServerThread, supervisor_graph, tiny_backend
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning",
                                         "ignore:create_react_agent has been moved")
@@ -269,7 +268,7 @@ class Run:
 async def run(exporter: LangfuseExporter, tmp_path_factory: pytest.TempPathFactory) -> Run:
     art_dir = tmp_path_factory.mktemp("art")
     judge = ScriptedJudge()
-    async with LocalBackend(in_process=True, model="tiny-random-smollm2", art_dir=art_dir) as backend:
+    async with tiny_backend(art_dir) as backend:
         model = TrainableModel(name="agent", project="lf-demo")
         await model.register(backend)
         agent = react_agent(ChatART.from_model(model, max_tokens=40, timeout=30))

@@ -18,7 +18,6 @@ from langgraph.prebuilt import create_react_agent
 from pydantic import BaseModel
 
 from art_integrations import (
-    LocalBackend,
     TrainableModel,
     TrainConfig,
     Trajectory,
@@ -28,7 +27,7 @@ from art_integrations import (
     trajectory_group,
 )
 from art_integrations.langchain import ARTCallbackHandler, ChatART
-from tests.conftest import ServerThread, supervisor_graph
+from tests.conftest import ServerThread, supervisor_graph, tiny_backend
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning",
                                         "ignore:create_react_agent has been moved")
@@ -297,7 +296,7 @@ async def test_a_handler_call_the_transport_never_saw_is_kept_as_a_message_and_s
 
 
 async def test_a_captured_agent_trajectory_trains_one_step(tmp_path: Path) -> None:
-    async with LocalBackend(in_process=True, model="tiny-random-smollm2", art_dir=tmp_path) as backend:
+    async with tiny_backend(tmp_path) as backend:
         model = TrainableModel(name="agent", project="langgraph")
         await model.register(backend)
         agent = react_agent(ChatART.from_model(model, max_tokens=40))

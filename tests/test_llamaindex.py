@@ -23,10 +23,10 @@ from pydantic import BaseModel, create_model
 
 from art_backend.engine.torch_engine import TorchEngine
 from art_backend.training.tokenize import TokenizeStats, tokenize_trajectory
-from art_integrations import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup, art_capture
+from art_integrations import TrainableModel, TrainConfig, Trajectory, TrajectoryGroup, art_capture
 from art_integrations.llamaindex import ARTLLM, ARTEventHandler, instrument
 from art_integrations.llamaindex.handler import ARTSpanHandler
-from tests.conftest import ServerThread
+from tests.conftest import ServerThread, tiny_backend
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning")
 
@@ -265,7 +265,7 @@ async def test_the_drop_in_alone_records_only_its_own_calls(tiny_server: ServerT
 
 
 async def test_a_captured_agent_trajectory_trains_one_step(tmp_path: Path) -> None:
-    async with LocalBackend(in_process=True, model="tiny-random-smollm2", art_dir=tmp_path) as backend:
+    async with tiny_backend(tmp_path) as backend:
         model = TrainableModel(name="agent", project="llamaindex")
         await model.register(backend)
         agent = function_agent(ARTLLM.from_model(model, max_tokens=40))

@@ -18,7 +18,6 @@ from openai import AsyncOpenAI
 
 from art_integrations import (
     History,
-    LocalBackend,
     TrainableModel,
     TrainConfig,
     Trajectory,
@@ -35,7 +34,7 @@ from art_integrations.rewards import (
     ruler,
     ruler_score_group,
 )
-from tests.conftest import ServerThread
+from tests.conftest import ServerThread, tiny_backend
 
 Answer = Callable[[dict[str, Any]], str]
 
@@ -260,7 +259,7 @@ async def test_combine_with_ruler_keeps_both_parts(stub: StubJudge) -> None:
 
 
 async def test_a_ruler_scored_group_trains_one_grpo_step(stub: StubJudge, tmp_path: Path) -> None:
-    async with LocalBackend(in_process=True, model="tiny-random-smollm2", art_dir=tmp_path) as backend:
+    async with tiny_backend(tmp_path) as backend:
         model = TrainableModel(name="judged", project="ruler")
         await model.register(backend)
         assert (await resolve_judge(model)).model == "tiny-random-smollm2" == (await resolve_judge(backend)).model

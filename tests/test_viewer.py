@@ -26,12 +26,11 @@ from typer.testing import CliRunner
 from art_backend.cli import app as cli_app
 from art_backend.viewer import Tokenizers, create_viewer_app
 from art_backend.viewer.curve import SPLIT_COLOURS
-from art_integrations import Choice, History, LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
+from art_integrations import Choice, History, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
 from art_integrations.rewards import Judge, ruler_score_group
 from art_integrations.wire import free_loopback_port
-from tests.conftest import ServerThread
+from tests.conftest import ServerThread, tiny_backend
 
-TINY = "tiny-random-smollm2"
 CHROMIUM = Path("/usr/bin/chromium")
 # Set, the browser test keeps its screenshots there too: `ART_SCREENSHOT_DIR=docs/img pytest tests/test_viewer.py -k
 # chromium` refreshes the documentation's pictures of the viewer (docs/review.md).
@@ -124,7 +123,7 @@ def stored_run(tmp_path_factory: pytest.TempPathFactory) -> StoredRun:
     async def run() -> list[TrajectoryGroup]:
         with ServerThread(scripted_judge()) as judge_server:
             judge = Judge(base_url=f"{judge_server.base_url}/v1", model="scripted-judge")
-            async with LocalBackend(in_process=True, model=TINY, art_dir=art_dir) as backend:
+            async with tiny_backend(art_dir) as backend:
                 model = TrainableModel(name="agent", project="demo")
                 await model.register(backend)
                 # the first group's rewards change from step to step, so the curves rise and differ

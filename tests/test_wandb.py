@@ -18,7 +18,7 @@ from wandb.proto import wandb_internal_pb2
 
 from art_integrations import LocalBackend, TrainableModel, TrainConfig, Trajectory, TrajectoryGroup
 from art_integrations.observability.wandb import numeric_metrics, run_id, wandb_wanted
-from tests.conftest import checkout_env
+from tests.conftest import checkout_env, tiny_backend
 
 
 # One step of a training job, as a user writes it: validate, then train. Run in its own process,
@@ -92,7 +92,7 @@ def art_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 async def backend(art_dir: Path) -> AsyncIterator[LocalBackend]:
-    async with LocalBackend(in_process=True, model="tiny-random-smollm2", art_dir=art_dir) as running:
+    async with tiny_backend(art_dir) as running:
         yield running
 
 
