@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 import httpx
 from openai import AsyncOpenAI
 
-from art_integrations.art_config import settings_environment, settings_variables, train_config_with
+from art_integrations.art_compat import names
+from art_integrations.art_compat.config import settings_environment, settings_variables, train_config_with
+from art_integrations.capture.transports.core import known_backend
 from art_integrations.checkpoint_sync import CheckpointSync
 from art_integrations.training import TrainConfig, TrainResult
-from art_integrations.transports.core import known_backend
 from art_integrations.wire import free_loopback_port
 
 if TYPE_CHECKING:
@@ -53,18 +54,7 @@ class Backend(CheckpointSync):
     """A backend at `base_url` (without the /v1 suffix). Its checkpoint sync to object storage
     (`push_checkpoints`, ART's `_experimental_push_to_s3`, ...) is in `checkpoint_sync.py`."""
 
-    # ART's backend methods that have no counterpart here, each with what to use instead
-    ART_METHODS: ClassVar[dict[str, str]] = {
-        "_experimental_pull_model_checkpoint": "backend.pull_checkpoints(model, url, step=N) brings step N into the "
-                                               "backend's art dir, served as `name@N` once the model registers",
-        "_experimental_fork_checkpoint": "pull the other model's steps with backend.pull_checkpoints(other, url) and "
-                                         "train that model; one model is not forked into another here",
-        "adapter_lease": "every checkpoint is served as `name@step` until model.delete_checkpoints() removes it",
-        "exact_adapter_lease": "every checkpoint is served as `name@step` until model.delete_checkpoints() removes it",
-        "adapter_retention_lease": "every checkpoint is served as `name@step` until model.delete_checkpoints() "
-                                   "removes it",
-        "prune_model_adapters": "model.delete_checkpoints() keeps the latest and the best step",
-    }
+    ART_METHODS: ClassVar[dict[str, str]] = names.BACKEND_METHODS
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = None) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")

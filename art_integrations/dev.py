@@ -1,7 +1,7 @@
 """ART's `art.dev` names, for scripts that set `model._internal_config = art.dev.InternalModelConfig(...)`
 or pass `_config=art.dev.TrainConfig(...)`. ART's are TypedDicts, plain dicts when called, and so
 are these; what each field means here (applied, mapped to a backend setting, or refused naming
-the way forward) is decided in `art_config.py` when the model registers or trains.
+the way forward) is decided in `art_compat/config.py` when the model registers or trains.
 """
 
 InternalModelConfig = dict

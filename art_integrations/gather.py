@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tqdm.auto import tqdm
 
-from art_integrations.capture_scope import CaptureScope
-from art_integrations.capture_tokens import deferred_token_fetch, fetch_tokens
+from art_integrations.capture.scope import CaptureScope
+from art_integrations.capture.tokens import deferred_token_fetch, fetch_tokens
 from art_integrations.trajectory import NotATrajectoryError, PendingGroup, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:

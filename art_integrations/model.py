@@ -11,7 +11,8 @@ from typing import Any, ClassVar, Literal
 from openai import AsyncOpenAI
 from pydantic import Field, PrivateAttr
 
-from art_integrations.art_config import from_internal_config, from_lora_config, train_config_with
+from art_integrations.art_compat import names
+from art_integrations.art_compat.config import from_internal_config, from_lora_config, train_config_with
 from art_integrations.backend import Backend, LocalBackend
 from art_integrations.observability.wandb import WandbReporter, reporter_for
 from art_integrations.strict import StrictModel
@@ -28,31 +29,8 @@ class Model(StrictModel):
     `inference_model_name`). Registered with a backend, `log()` records its scores in the same
     history, so curves compare."""
 
-    ART_NAMES: ClassVar[dict[str, str]] = {
-        "entity": "the W&B entity comes from WANDB_ENTITY",
-        "id": "a run is named by `project` and `name`",
-        "trainable": "use art_integrations.TrainableModel to train, Model to only score",
-        "base_path": "the art dir belongs to the backend: LocalBackend(art_dir=...) or `art-backend serve --art-dir`",
-        "_internal_config": "a Model is only scored here, with no engine of its own: engine settings belong to the "
-                            "backend (`art-backend serve --help`, ART_BACKEND_* variables), and a TrainableModel "
-                            "takes ART's _internal_config",
-    }
-
-    # ART's methods that have no counterpart here, each with what to use instead
-    ART_METHODS: ClassVar[dict[str, str]] = {
-        "litellm_completion_params": "LiteLLM reaches the model as f\"openai/{model.get_inference_name()}\" with "
-                                     "api_base=model.inference_base_url, api_key=model.inference_api_key",
-        "read_state": "keep run state in your script, in a file of its own",
-        "write_state": "keep run state in your script, in a file of its own",
-        "merge_state": "keep run state in your script, in a file of its own",
-        "overwrite_state": "keep run state in your script, in a file of its own",
-        "update_wandb_config": "model.metrics_reporter is the W&B reporter; WANDB_* variables configure its run",
-        "metrics_builder": "put metrics on Trajectory.metrics, or record a split with model.log(groups, split=...)",
-        "activate_metrics_context": "put metrics on Trajectory.metrics, or record a split with model.log(groups, "
-                                    "split=...)",
-        "cost_calculator": "no cost accounting here: count tokens from each response's usage",
-        "set_cost_calculator": "no cost accounting here: count tokens from each response's usage",
-    }
+    ART_NAMES: ClassVar[dict[str, str]] = names.MODEL_FIELDS
+    ART_METHODS: ClassVar[dict[str, str]] = names.MODEL_METHODS
 
     name: str
     project: str
@@ -153,12 +131,9 @@ class TrainableModel(Model):
     ART's `lora_config=art.dev.LoRAConfig(...)` (0.5.23) sets `lora`; ART's `_internal_config`
     (an argument, or set on the model before `register`) is read when it registers: its LoRA
     settings set `lora`, its engine settings go to the backend (`Backend.take_engine_settings`),
-    and what means nothing here is refused by name (`art_config.py`)."""
+    and what means nothing here is refused by name (`art_compat/config.py`)."""
 
-    ART_NAMES: ClassVar[dict[str, str]] = {
-        **Model.ART_NAMES,
-        "run_name": "checkpoints are stored and served under `name` here: pass run_name equal to name, or leave it out",
-    }
+    ART_NAMES: ClassVar[dict[str, str]] = names.TRAINABLE_MODEL_FIELDS
 
     base_model: str | None = None  # None: whatever the backend serves
     lora: LoraConfig = Field(default_factory=LoraConfig)

@@ -2,34 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from art_integrations.art_compat import names
 from art_integrations.strict import StrictModel
 
 
 class TrainConfig(StrictModel):
     # strict: a setting of the wrong type (`scale_rewards=0`, `learning_rate="1e-5"`) is refused, not guessed at
     model_config = ConfigDict(strict=True)
-    ART_NAMES = {  # ART's TrainConfig and backend.train() settings named differently here, or not here
-        "kl_penalty_coef": "the nearest is `beta`, a KL-to-base term in the loss (ART adjusts advantages instead)",
-        "loss_fn": "ours is `loss` (\"cispo\" or \"ppo\")",
-        "normalize_advantages": "ours is `scale_rewards` (divide advantages by the group's reward std)",
-        "grad_accumulation_sequences": "ours is `micro_batch_tokens` (tokens per forward/backward pass)",
-        "packed_sequence_length": "ours is `micro_batch_tokens` (groups are always packed as prefix trees)",
-        "precalculate_logprobs": "not needed: the rollout's own logprobs are used where they came with it",
-        "allow_training_without_logprobs": "always so here: a turn without logprobs trains with importance ratio 1",
-        "save_checkpoint": "every step is saved and served as `<name>@<step>`",
-        # ART 0.5.23's: they change when ART saves the optimizer and which policy its KL uses; taken (with a note
-        # that they change nothing here) as `backend.train(model, groups, ...)` keywords or `model.train(_config=...)`
-        "kl_penalty_source": "pass it to backend.train() or model.train(_config={...}), which take it (ART's KL "
-                             "penalty is off here; `beta` is the KL term)",
-        "optimizer_save_interval": "pass it to backend.train() or model.train(_config={...}), which take it (the "
-                                   "optimizer state is saved every step here)",
-        "final_training_step": "pass it to backend.train() or model.train(_config={...}), which take it (the "
-                               "optimizer state is saved every step here)",
-    }
+    ART_NAMES: ClassVar[dict[str, str]] = names.TRAIN_CONFIG_FIELDS
 
     learning_rate: float = Field(default=1e-5, gt=0)
     loss: Literal["cispo", "ppo"] = "cispo"

@@ -66,9 +66,9 @@ from langchain_openai import ChatOpenAI
 
 from art_integrations import LocalBackend, Trajectory, gather_trajectories
 from art_integrations.capture import art_capture
-from art_integrations.capture_scope import ModelCall, record_call
-from art_integrations.capture_tokens import exact_choice
-from art_integrations.trajectory_assembly import assemble
+from art_integrations.capture.scope import ModelCall, record_call
+from art_integrations.capture.tokens import exact_choice
+from art_integrations.capture.assembly import assemble
 from art_integrations.langchain.callback import ARTCallbackHandler
 from art_integrations.langchain.chat_model import ChatART
 
@@ -176,7 +176,7 @@ def build_variants(base_url: str, model: str) -> tuple[dict[str, Callable[[], ob
 
 def transport_blocks(base_url: str, model: str, loop: asyncio.AbstractEventLoop) -> dict[str, Block]:
     """J, K, L: one hand-written POST per call through requests, httpx2 and aiohttp, captured at their
-    transports (`art_integrations/transports/`), each against the same call uncaptured."""
+    transports (`art_integrations/capture/transports/`), each against the same call uncaptured."""
     import requests
 
     url = f"{base_url}/chat/completions"

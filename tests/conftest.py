@@ -173,7 +173,7 @@ def server(embedded_engine: TorchEngine) -> Iterator[ServerThread]:
 def tiny_server(tiny_engine: TorchEngine) -> Iterator[ServerThread]:
     """The tiny model served; named to the capture as a backend (as a RemoteBackend on its URL would),
     so that even a test's first call to it reads its logprobs from the reply, whatever ran before."""
-    from art_integrations.transports.core import known_backend
+    from art_integrations.capture.transports.core import known_backend
 
     with ServerThread(create_app(tiny_engine)) as running:
         known_backend(running.base_url)

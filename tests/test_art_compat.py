@@ -17,7 +17,7 @@ import pytest
 from openai.types.chat.chat_completion import ChatCompletion
 
 import art_integrations as art
-from art_integrations.art_format import to_art
+from art_integrations.art_compat.format import to_art
 from art_integrations.gather import TooManyRolloutErrors
 from art_integrations.rewards.ruler import Judge, RulerError, resolve_judge
 from tests.conftest import REPO, checkout_env

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import art_integrations as art
-from art_integrations.art_config import ArtConfigError, from_internal_config, train_config_with
+from art_integrations.art_compat.config import ArtConfigError, from_internal_config, train_config_with
 from tests.conftest import scored_group
 
 TINY = "tiny-random-smollm2"

@@ -15,7 +15,8 @@ import pytest
 from langchain_openai import ChatOpenAI
 
 import art_integrations as art
-from art_integrations import Trajectory, art_capture, capture_tokens
+from art_integrations import Trajectory, art_capture
+from art_integrations.capture import tokens as capture_tokens
 from art_integrations.langchain import ARTCallbackHandler, ChatART
 from art_integrations.llamaindex import ARTLLM
 from art_integrations.wire import BACKEND_HEADER

@@ -1,4 +1,4 @@
-"""The capture at each HTTP client's transport (art_integrations/transports/), against the tiny model
+"""The capture at each HTTP client's transport (art_integrations/capture/transports/), against the tiny model
 served over real HTTP: a hand-written request of httpx, httpx2 (where installed: tests/clients/ runs
 these under the newest openai SDK, which sends through it), requests and aiohttp, sync and async,
 streamed and not, is recorded with the exact tokens the server produced and no second request; a
@@ -16,8 +16,9 @@ import httpx
 import pytest
 from art_backend.server import create_app
 
-from art_integrations import Trajectory, art_capture, capture_tokens
-from art_integrations.transports import patching
+from art_integrations import Trajectory, art_capture
+from art_integrations.capture import tokens as capture_tokens
+from art_integrations.capture.transports import patching
 from art_integrations.wire import TOKEN_LOGPROBS_HEADER
 from tests.clients.http_calls import CLIENTS, Received, installed, send
 from tests.conftest import ServerThread
@@ -206,7 +207,7 @@ async def test_a_second_copy_of_ours_on_one_call_records_it_once(tiny_server: Se
                                                                  restored: Callable[[type, str], None]) -> None:
     """Where our wrapper ends up twice on one call path (installed again above a tracer that hides
     what it wraps), the inner copy passes the request by: the call is recorded once."""
-    from art_integrations.transports import httpx_clients
+    from art_integrations.capture.transports import httpx_clients
 
     restored(httpx.AsyncClient, "send")
     with art_capture():

@@ -136,8 +136,8 @@ async def test_drop_in_tokens_travel_with_the_reply(tiny_llm: ChatART, monkeypat
     and a capture makes no request of its own on exit, even to a backend no client named; they are
     the ones the backend recorded (fetched here explicitly to compare), each call recorded once."""
     import art_integrations.capture as capture
-    import art_integrations.capture_tokens as capture_tokens
-    import art_integrations.transports.core as transport
+    import art_integrations.capture.tokens as capture_tokens
+    import art_integrations.capture.transports.core as transport
 
     monkeypatch.setattr(transport, "_backends", {})  # as in a fresh process: the server is not yet known
 
@@ -236,8 +236,8 @@ async def test_handler_calls_take_the_transports_tokens_and_missing_logprobs_are
     tokens it takes. A backend no client named sends its first replies without logprobs: under
     gather the captures leave that fetch to the group, rewards read the replies as messages, and one
     request per group then puts every reply's exact tokens in place. Nothing is recorded twice."""
-    import art_integrations.capture_tokens as capture_tokens
-    import art_integrations.transports.core as transport
+    import art_integrations.capture.tokens as capture_tokens
+    import art_integrations.capture.transports.core as transport
 
     monkeypatch.setattr(transport, "_backends", {})  # as in a fresh process: the server is not yet known
     llm = ChatOpenAI(model="tiny-random-smollm2", base_url=f"{tiny_server.base_url}/v1", api_key="unused",
@@ -282,7 +282,7 @@ async def test_a_handler_call_the_transport_never_saw_is_kept_as_a_message_and_s
         tiny_server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tokens take one path, the transport: a call only an integration saw (a client no adapter
     wraps) has none to be had, so it is a message, not trained on, and the capture says why."""
-    import art_integrations.transports.core as transport
+    import art_integrations.capture.transports.core as transport
 
     monkeypatch.setattr(transport, "generation_kind", lambda method, path: None)  # the transport sees nothing
     llm = ChatOpenAI(model="tiny-random-smollm2", base_url=f"{tiny_server.base_url}/v1", api_key="unused",

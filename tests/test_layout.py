@@ -70,3 +70,19 @@ def test_modules_stay_one_job_long() -> None:
     long = {str(path.relative_to(REPO)): n for path in _modules().values()
             if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: split them by job (docs/contributing/layout.md): {long}"
+
+
+def test_the_layout_page_names_every_module() -> None:
+    """docs/contributing/layout.md is the map a newcomer reads first: every module, kernel header and
+    folder of both packages is named there, so a new one is drawn on the map when it is added."""
+    page = (REPO / "docs" / "contributing" / "layout.md").read_text()
+    unnamed = []
+    for root in PACKAGES.values():
+        for path in sorted(root.rglob("*")):
+            if "__pycache__" in path.parts or path.name in ("__init__.py", "__main__.py"):
+                continue
+            if path.is_dir() and f"{path.name}/`" not in page:
+                unnamed.append(f"{path.relative_to(REPO)}/")
+            elif path.suffix in (".py", ".cpp", ".h") and f"`{path.name}`" not in page and f"{path.name}`" not in page:
+                unnamed.append(str(path.relative_to(REPO)))
+    assert not unnamed, f"docs/contributing/layout.md does not name: {unnamed} (add each to the row of its folder)"

@@ -28,6 +28,7 @@ from art_backend.viewer.app import create_viewer_app
 from art_backend.viewer.tokens import Tokenizers
 from art_integrations import (BackendError, LoraConfig, RemoteBackend, TrainableModel, TrainConfig, Trajectory,
                               TrajectoryGroup, TrainSFTConfig)
+from art_integrations.art_compat import names
 from art_integrations.trajectory import Choice
 from art_integrations.utils.sft import SFTFileError, create_lr_schedule, read_sft_file, train_sft_from_file
 from tests.chat_families import FAMILIES, _family_tokenizer
@@ -372,7 +373,7 @@ async def test_train_sft_from_file_trains_one_step_on_art_s_schedule(tiny_traini
 def test_art_s_sft_names_are_offered_not_refused() -> None:
     assert art.TrainSFTConfig is TrainSFTConfig
     assert TrainSFTConfig() == TrainSFTConfig(learning_rate=5e-5, batch_size="auto", assistant_turns="all")
-    assert "TrainSFTConfig" not in art._ART_ONLY
+    assert "TrainSFTConfig" not in names.PACKAGE_NAMES
     assert "train_sft" not in art.Model.ART_METHODS
     with pytest.raises(ValueError, match="assistant_turns"):
         TrainSFTConfig(assistant_turns="first")  # type: ignore[arg-type]

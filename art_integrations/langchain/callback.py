@@ -8,7 +8,7 @@ For agents that keep their own `ChatOpenAI` pointed at an art-backend:
         agent.invoke(inputs, config={"callbacks": [ARTCallbackHandler()]})
 
 The handler adds what only LangChain knows (which LangGraph agent and node a call ran in); the
-call's exact tokens are the transport's (`transports/`), which saw the same request go out
+call's exact tokens are the transport's (`capture/transports/`), which saw the same request go out
 through the chat model's HTTP client and read them from its reply. The two are one call,
 joined by the reply's message id (the backend's token record id), and kept once.
 
@@ -37,7 +37,7 @@ from langchain_core.messages import BaseMessage, convert_to_openai_messages
 from langchain_core.outputs import LLMResult
 from langchain_core.tracers.context import register_configure_hook
 
-from art_integrations.capture_scope import CaptureScope, ModelCall, current_capture, record_call
+from art_integrations.capture.scope import CaptureScope, ModelCall, current_capture, record_call
 
 logger = logging.getLogger(__name__)
 

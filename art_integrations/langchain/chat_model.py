@@ -4,7 +4,7 @@ It is langchain-openai's `ChatOpenAI` (so tools, structured output, streaming, r
 batching and every callback behave exactly as users know them) with two things added: each
 request asks for the reply's exact tokens and logprobs (`return_token_ids`, `logprobs`), and an
 `ARTCallbackHandler` is attached, so that a call inside `art_capture()` is recorded with the
-LangGraph agent and node it ran in. Its tokens are the transport's (`transports/`), which reads
+LangGraph agent and node it ran in. Its tokens are the transport's (`capture/transports/`), which reads
 them from the reply as it does for any client: one path for every call's tokens.
 
 Two defaults differ from ChatOpenAI's: the API key (`api_key=`, `openai_api_key=` or

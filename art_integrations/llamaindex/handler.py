@@ -56,7 +56,7 @@ from llama_index.core.instrumentation.span import SimpleSpan
 from llama_index.core.instrumentation.span_handlers import BaseSpanHandler
 from llama_index.llms.openai.utils import to_openai_message_dict, to_openai_message_dicts
 
-from art_integrations.capture_scope import CaptureScope, ModelCall, current_capture, record_call
+from art_integrations.capture.scope import CaptureScope, ModelCall, current_capture, record_call
 
 logger = logging.getLogger(__name__)
 

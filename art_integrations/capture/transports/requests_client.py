@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-from art_integrations.capture_scope import current_capture
-from art_integrations.transports.core import Collected, Exchange, begin, json_body
+from art_integrations.capture.scope import current_capture
+from art_integrations.capture.transports.core import Collected, Exchange, begin, json_body
 from art_integrations.wire import BACKEND_HEADER, TOKEN_LOGPROBS_HEADER
-from art_integrations.transports.patching import handling, wrap_method
+from art_integrations.capture.transports.patching import handling, wrap_method
 
 
 class RawTee(Collected):

@@ -4,7 +4,7 @@ A call's exact tokens take one path: the HTTP transport (`transports/`) sees eve
 request an HTTP client sends inside the capture and reads the tokens from the backend's reply.
 Integrations (the LangChain callback handler, the LlamaIndex handler, the drop-in models) add
 structure only: each finished call they `record_call()` names the agent and node it ran in, and
-is joined to the transport's copy of it by record id (`trajectory_assembly._once`). A call goes to
+is joined to the transport's copy of it by record id (`assembly._once`). A call goes to
 the innermost capture open in the caller's context (a `ContextVar`, so concurrent asyncio tasks and
 LangChain's executor threads each see their own). On exit the calls become the trajectory's
 conversations; the logprobs of replies that did not bring them (the first call to a backend no
@@ -22,9 +22,9 @@ No call is lost silently: a call that finishes after its capture exited, and a c
 recorded no call (naming the model calls an integration saw but could not record, when there
 were any), are each warned and counted in `metrics["capture_errors"]`.
 
-This module opens and closes a capture; the rest is split by job, each importing only the scope:
-`capture_scope.py` (`ModelCall`, `CaptureScope` and which one is open here), `capture_tokens.py`
-(the token fetch at exit) and `trajectory_assembly.py` (the calls into histories).
+This package's `__init__` opens and closes a capture; the rest is split by job, each importing only the scope:
+`scope.py` (`ModelCall`, `CaptureScope` and which one is open here), `tokens.py`
+(the token fetch at exit) and `assembly.py` (the calls into histories).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from collections.abc import Coroutine
 from contextvars import Token
 from typing import Any
 
-from art_integrations.capture_scope import (
+from art_integrations.capture.scope import (
     LATE_CALL,
     NO_CALLS,
     CaptureScope,
@@ -49,10 +49,10 @@ from art_integrations.capture_scope import (
     no_capture,
     record_call,
 )
-from art_integrations.capture_tokens import _deferred, deferred_token_fetch, exact_choice, fetch_tokens
+from art_integrations.capture.tokens import _deferred, deferred_token_fetch, exact_choice, fetch_tokens
 from art_integrations.trajectory import Trajectory
-from art_integrations.trajectory_assembly import assemble
-from art_integrations.transports import install as install_transports
+from art_integrations.capture.assembly import assemble
+from art_integrations.capture.transports import install as install_transports
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +166,8 @@ class art_capture:  # noqa: N801 - used like a function: `with art_capture() as 
         return False
 
 
-# The capture's names, wherever their code now sits (capture_scope.py, capture_tokens.py,
-# trajectory_assembly.py): `from art_integrations.capture import X` keeps working.
+# The capture's names, wherever their code now sits (scope.py, tokens.py,
+# assembly.py): `from art_integrations.capture import X` keeps working.
 __all__ = [
     "LATE_CALL",
     "NO_CALLS",

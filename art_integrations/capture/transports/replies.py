@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from art_integrations.capture_scope import ModelCall
-from art_integrations.capture_tokens import exact_choice
+from art_integrations.capture.scope import ModelCall
+from art_integrations.capture.tokens import exact_choice
 from art_integrations.responses_items import chat_tool, input_messages, output_message
 
 CHAT, RESPONSES, COMPLETIONS = "/chat/completions", "/responses", "/completions"

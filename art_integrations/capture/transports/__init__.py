@@ -14,9 +14,9 @@ Inside a capture, a POST to a chat-completions, Responses or completions path is
 it becomes is core.py's: recorded only where the reply carries the backend's `X-Art-Backend`
 header, with its exact tokens and logprobs read from the reply: the one way a call's tokens reach a
 trajectory. A call ChatART, ARTLLM or a callback handler records too is one call
-(`trajectory_assembly._once`, by token record id): theirs names the agent it ran in, the tokens are
+(`capture.assembly._once`, by token record id): theirs names the agent it ran in, the tokens are
 these. A client none of these adapters covers (a websocket, gRPC, another HTTP library) is not
-seen: the capture that then records nothing says what to do (`capture_scope.NO_CALLS`).
+seen: the capture that then records nothing says what to do (`capture.scope.NO_CALLS`).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ logger = logging.getLogger(__name__)
 
 # client module -> the adapter module that wraps it (`install(client_module)`)
 ADAPTERS = {
-    "httpx": "art_integrations.transports.httpx_clients",
-    "httpx2": "art_integrations.transports.httpx_clients",
-    "requests": "art_integrations.transports.requests_client",
-    "aiohttp": "art_integrations.transports.aiohttp_client",
+    "httpx": "art_integrations.capture.transports.httpx_clients",
+    "httpx2": "art_integrations.capture.transports.httpx_clients",
+    "requests": "art_integrations.capture.transports.requests_client",
+    "aiohttp": "art_integrations.capture.transports.aiohttp_client",
 }
 
 

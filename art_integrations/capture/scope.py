@@ -3,8 +3,8 @@
 here (`current_capture`, `current_trajectory`, `no_capture`, `record_call`).
 
 The lowest of the capture modules: the transports and the integrations record into it, the token
-fetch (`capture_tokens.py`) and the assembly (`trajectory_assembly.py`) read it, and `art_capture()`
-(`capture.py`) opens it; it imports none of them.
+fetch (`tokens.py`) and the assembly (`assembly.py`) read it, and `art_capture()`
+(the package, `__init__.py`) opens it; it imports none of them.
 """
 
 from __future__ import annotations

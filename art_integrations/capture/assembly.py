@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from art_integrations.capture_scope import CaptureScope, ModelCall
+from art_integrations.capture.scope import CaptureScope, ModelCall
 from art_integrations.trajectory import History
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from art_integrations.capture_scope import CaptureScope, ModelCall
+from art_integrations.capture.scope import CaptureScope, ModelCall
 from art_integrations.trajectory import Choice
 
 

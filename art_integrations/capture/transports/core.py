@@ -11,7 +11,7 @@ server becomes known as a backend, unless a backend client said so first (`known
 `RemoteBackend` or `LocalBackend` knows its URL). A first call to a backend no one named goes
 out untouched: its reply still carries the token ids (the backend sends them unless told not
 to) and its record id, so only its logprobs are missing, and the capture fetches those at exit
-with the handlers' calls (`capture_tokens.fetch_tokens`); every later call reads them from the
+with the handlers' calls (`capture.tokens.fetch_tokens`); every later call reads them from the
 reply.
 """
 
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from art_integrations.capture_scope import CaptureScope
-from art_integrations.transports.replies import CHAT, COMPLETIONS, RESPONSES, calls_from_reply
+from art_integrations.capture.scope import CaptureScope
+from art_integrations.capture.transports.replies import CHAT, COMPLETIONS, RESPONSES, calls_from_reply
 
 EVENT_STREAM = "text/event-stream"
 
