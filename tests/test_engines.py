@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from art_backend.app import build_engine, choose_engine
 from art_backend.chat_format import ChatFormatter, encode_prompt
-from art_backend.config import BackendSettings
+from art_backend.config import BackendSettings, default_cache_dir
 from art_backend.engine.base import Engine, GenerationRequest, SamplingParams
 from art_backend.engine.sampling import Penalties, RowSampling, gumbel_argmax, truncate
 from art_backend.errors import ModelNotServedError
@@ -289,6 +289,14 @@ def test_a_misspelt_backend_setting_is_refused_by_name(monkeypatch: pytest.Monke
     assert result.returncode != 0 and "ART_BACKEND_MAX_LORA" in result.stderr, result.stderr
     monkeypatch.setenv("ART_BACKEND_MAX_LORAS", "3")
     assert BackendSettings().max_loras == 3
+
+
+def test_an_empty_backend_variable_means_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ART_BACKEND_CACHE_DIR", "")  # not the current directory
+    monkeypatch.setenv("ART_BACKEND_MAX_LORAS", "")
+    settings = BackendSettings()
+    assert settings.cache_dir == default_cache_dir()
+    assert settings.max_loras == BackendSettings.model_fields["max_loras"].default
 
 
 @pytest.mark.vllm

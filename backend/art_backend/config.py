@@ -23,7 +23,9 @@ def default_cache_dir() -> Path:
 
 
 class BackendSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ART_BACKEND_", extra="forbid")
+    # an empty variable (`ART_BACKEND_CACHE_DIR=`, a shell's way to clear one) means the default: read as
+    # a path, "" is the current directory, and the model cache would land wherever the script runs
+    model_config = SettingsConfigDict(env_prefix="ART_BACKEND_", extra="forbid", env_ignore_empty=True)
 
     @model_validator(mode="before")
     @classmethod
