@@ -78,6 +78,25 @@ def test_city_facts_scenarios_take_the_tools_in_turn_and_repeat_none() -> None:
     assert scenarios("train", 24, seed=3) == train != scenarios("train", 24, seed=4)
 
 
+def test_the_city_facts_experts_demonstrations_earn_full_marks_read_back_as_rollouts_are() -> None:
+    """Each demonstration is the agent's conversation done right (`--sft-demos`): the task's own
+    reward gives it full marks, its tool calls and answer read from LangChain messages as a rollout's are."""
+    from langchain_core.messages import convert_to_messages
+
+    from examples.city_facts.agent import SYSTEM_PROMPT, TOOLS
+    from examples.city_facts.expert import demonstrations
+
+    picked = scenarios("train", 27, seed=5)  # every question of every tool
+    templates = [q for qs in QUESTIONS.values() for q in qs]
+    assert {q for s in picked for q in templates if q.format(city=s.city) == s.question} == set(templates)
+    for scenario, demonstration in zip(picked, demonstrations(picked), strict=True):
+        assert demonstration.messages_and_choices[0] == {"role": "system", "content": SYSTEM_PROMPT}
+        assert [t["function"]["name"] for t in demonstration.tools or []] == [t.name for t in TOOLS]
+        messages = convert_to_messages(demonstration.messages_and_choices[1:])
+        tool_calls = [(call["name"], call["args"]) for m in messages if m.type == "ai" for call in m.tool_calls]
+        assert score(scenario, tool_calls, messages[-1].content)["reward"] == 1.0, (scenario, messages[-1].content)
+
+
 def test_a_seed_repeats_the_run_token_for_token(tmp_path: Path) -> None:
     # every training rollout sends its own seed (run, step, scenario, rollout); unseeded, two such runs
     # gave step rewards 0.031, 0.081 and 0.062, 0.031

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from art_integrations import Trajectory, art_capture
 from examples.city_facts.agent import build_agent
+from examples.city_facts.expert import demonstrations
 from examples.city_facts.task import Scenario, scenarios, score
 from examples.runner import Example, Policy
 
@@ -29,6 +30,7 @@ EXAMPLE = Example(
     scenarios=scenarios,
     rollout=rollout,
     metrics=("right_tool", "right_city", "has_fact", "plain"),
+    demonstrations=demonstrations,  # for `--sft-demos N`: a scripted expert's conversations
     steps=6,  # over seeds 0-9, steps 7 and 8 moved the held-out median +0.550 -> +0.569 (docs/getting-started.md)
     temperature=0.7,
     # advantages r - mean, not divided by the std: a group that differs only in the city (0.15) no longer
