@@ -13,7 +13,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from art_integrations import dev
-from art_integrations.art_compat.names import PACKAGE_NAMES
+from art_integrations.art_compat.names import PACKAGE_NAMES, refuse_art_name
 from art_integrations.capture import art_capture, trajectory
 from art_integrations.capture.scope import current_capture, current_trajectory, no_capture
 from art_integrations.gather import (
@@ -81,8 +81,7 @@ def __getattr__(name: str) -> object:
         value = getattr(importlib.import_module(_ON_FIRST_USE[name]), name)
         globals()[name] = value  # looked up once
         return value
-    if name in PACKAGE_NAMES:
-        raise AttributeError(f"art_integrations has no {name!r} (an ART name): {PACKAGE_NAMES[name]}")
+    refuse_art_name("art_integrations", name, PACKAGE_NAMES, "name")
     raise AttributeError(f"module 'art_integrations' has no attribute {name!r}")
 
 

@@ -68,9 +68,7 @@ class Backend(CheckpointSync):
             weakref.WeakKeyDictionary()
 
     def __getattr__(self, name: str) -> Any:
-        hint = type(self).ART_METHODS.get(name)
-        if hint is not None:
-            raise AttributeError(f"{type(self).__name__} has no {name!r} (an ART method): {hint}")
+        names.refuse_art_name(type(self).__name__, name, type(self).ART_METHODS, "method")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def openai_client(self, **kwargs: Any) -> AsyncOpenAI:

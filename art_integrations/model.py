@@ -46,9 +46,7 @@ class Model(StrictModel):
     _reporter: WandbReporter | None = PrivateAttr(default=None)
 
     def __getattr__(self, name: str) -> Any:
-        hint = type(self).ART_METHODS.get(name)
-        if hint is not None:
-            raise AttributeError(f"{type(self).__name__} has no {name!r} (an ART method): {hint}")
+        names.refuse_art_name(type(self).__name__, name, type(self).ART_METHODS, "method")
         return super().__getattr__(name)  # pydantic's: private attributes, then the plain AttributeError
 
     async def register(self, backend: Backend) -> None:

@@ -5,6 +5,9 @@ dropped argument. `StrictModel` refuses the fields (`ART_NAMES`), `Model` and `B
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+
 # ART's top-level names (`art.X`) that have no counterpart here, each with what to use instead
 PACKAGE_NAMES: dict[str, str] = {
     "auto_trajectory": "art_capture() records every model call of a rollout into its trajectory",
@@ -99,3 +102,10 @@ TRAIN_CONFIG_FIELDS: dict[str, str] = {
     "final_training_step": "pass it to backend.train() or model.train(_config={...}), which take it (the "
                            "optimizer state is saved every step here)",
 }
+
+
+def refuse_art_name(owner: str, name: str, table: Mapping[str, str], kind: str) -> None:
+    """Raise the AttributeError for ART's `name`, which `owner` lacks, with the way forward from
+    `table`; return where `name` is not one of ART's, for the caller's own lookup."""
+    if name in table:
+        raise AttributeError(f"{owner} has no {name!r} (an ART {kind}): {table[name]}")
