@@ -10,6 +10,7 @@ served model's chat template and tool-call markup.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +37,7 @@ def demonstration(scenario: Scenario) -> Trajectory:
     """The expert's conversation on `scenario`, scored 1 by the task's reward."""
     tools = {t.name: t for t in TOOLS}
     call = {"id": "call_0", "type": "function",
-            "function": {"name": scenario.tool, "arguments": f'{{"city": "{scenario.city}"}}'}}
+            "function": {"name": scenario.tool, "arguments": json.dumps({"city": scenario.city})}}
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": scenario.question},
