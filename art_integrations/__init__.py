@@ -33,12 +33,15 @@ from art_integrations.trajectory import Choice, History, Trajectory, TrajectoryG
 if TYPE_CHECKING:
     from art_integrations.backend import Backend, BackendError, LocalBackend, RemoteBackend
     from art_integrations.model import Model, TrainableModel
+    from art_integrations.pipeline_trainer import PipelineAutotuneConfig, PipelineRuntimeConfig
 
 # The backend clients load the openai SDK (~1 s): imported on first use (PEP 562), so that a process
 # needing only the data types above (the backend itself: trajectories, train configs) goes without.
 _ON_FIRST_USE = {
     **dict.fromkeys(["Backend", "BackendError", "LocalBackend", "RemoteBackend"], "art_integrations.backend"),
     **dict.fromkeys(["Model", "TrainableModel"], "art_integrations.model"),
+    # ART 0.5.23's top-level names of its pipeline (art_integrations.pipeline_trainer)
+    **dict.fromkeys(["PipelineAutotuneConfig", "PipelineRuntimeConfig"], "art_integrations.pipeline_trainer"),
 }
 
 __version__ = "0.1.0"
@@ -53,6 +56,8 @@ __all__ = [
     "LocalBackend",
     "LoraConfig",
     "Model",
+    "PipelineAutotuneConfig",
+    "PipelineRuntimeConfig",
     "RayRollouts",
     "RemoteBackend",
     "TrainConfig",

@@ -110,9 +110,21 @@ class Model(StrictModel):
     async def get_step(self) -> int:
         return (await self.backend.request("GET", self._path("step")))["step"]
 
-    async def log(self, groups: list[TrajectoryGroup], split: str = "val") -> dict[str, Any]:
-        """Record metrics and trajectories of `groups` at the current step without training."""
-        body = {"groups": [g.model_dump(mode="json") for g in groups], "split": split}
+    async def log(self, trajectories: Iterable[TrajectoryGroup] | Iterable[Trajectory | BaseException] | None = None,
+                  split: str = "val", *, metrics: Mapping[str, float] | None = None,
+                  step: int | None = None) -> dict[str, Any]:
+        """Record the scores and trajectories of groups (or of loose trajectories, as one group) and
+        `metrics` of your own, at `step` (default: the newest; an eval of an older checkpoint
+        that ran while training went on names its step), without training. ART's signature."""
+        items = list(trajectories or ())
+        groups = [item for item in items if isinstance(item, TrajectoryGroup)]
+        if len(groups) != len(items):
+            if groups:
+                raise TypeError("log() takes groups or trajectories, not both mixed: pass [group, ...] or "
+                                "[trajectory, ...]")
+            groups = [TrajectoryGroup(items)]
+        body = {"groups": [g.model_dump(mode="json") for g in groups], "split": split,
+                "metrics": dict(metrics or {}), "step": step}
         answer = await self.backend.request("POST", self._path("log"), body)
         await self._report(answer["step"], split, answer["metrics"])
         return answer["metrics"]
@@ -193,16 +205,21 @@ class TrainableModel(Model):
         return self.backend.openai_client(**kwargs)
 
     async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | None = None,
-                    _config: Mapping[str, Any] | None = None) -> TrainResult:
+                    _config: Mapping[str, Any] | None = None, *, metrics: Mapping[str, float] | None = None,
+                    state: Mapping[str, Any] | None = None) -> TrainResult:
         """One GRPO step on `groups`; the new checkpoint is served before this returns. Groups that
         `gather_trajectory_groups` dropped are counted in the step's metrics, with their reasons.
-        `_config`: ART's experimental settings (`art.dev.TrainConfig`), each applied or refused by name."""
+        `_config`: ART's experimental settings (`art.dev.TrainConfig`), each applied or refused by name.
+        `metrics`: numbers of your own recorded with the step; `state`: what your loop needs to
+        resume after it (JSON), committed with the checkpoint and read back from `history()` as
+        the step's `client_state` (PipelineTrainer keeps its place in the scenarios so)."""
         config = config or TrainConfig()
         if _config:
             config = train_config_with(config, _config)
         body = {"groups": [g.model_dump(mode="json") for g in groups],
                 "config": config.model_dump(),
-                "dropped": [d["reason"] for d in getattr(groups, "dropped", [])]}
+                "dropped": [d["reason"] for d in getattr(groups, "dropped", [])],
+                "metrics": dict(metrics or {}), "state": None if state is None else dict(state)}
         result = TrainResult.model_validate(await self.backend.request("POST", self._path("train"), body))
         await self._report(result.step, "train", result.metrics)
         return result

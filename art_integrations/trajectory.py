@@ -153,7 +153,7 @@ class Trajectory(History):
     metadata: dict[str, Any] = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
     additional_histories: list[History] = Field(default_factory=list)
-    # ART's: which checkpoint served the rollout's first and last model call (kept, not used here)
+    # ART's: the newest step when the rollout started and ended (PipelineTrainer sets them; its staleness bound reads them)
     initial_policy_version: PolicyVersion | None = None
     final_policy_version: PolicyVersion | None = None
 

@@ -26,8 +26,6 @@ PACKAGE_NAMES: dict[str, str] = {
     "MegatronTopologyConfig": "the backend's parallelism is vLLM's: --tensor-parallel-size, --data-parallel-size",
     "get_megatron_runtime_config": "the backend's settings are listed by `art-backend serve --help`",
     "init_megatron_runtime_config": "the backend's settings are listed by `art-backend serve --help`",
-    "PipelineAutotuneConfig": "a training step here is one call: model.train(groups) between gathers",
-    "PipelineRuntimeConfig": "a training step here is one call: model.train(groups) between gathers",
     "PIPELINE_RL_DASHBOARD_DEFAULT_METRICS": "each step's metrics come back from train() and go to history.jsonl",
     "PIPELINE_RL_METRIC_DEFINITIONS": "each step's metrics come back from train() and go to history.jsonl",
     "PIPELINE_RL_SCORE_METRICS": "each step's metrics come back from train() and go to history.jsonl",
@@ -35,6 +33,16 @@ PACKAGE_NAMES: dict[str, str] = {
     "get_tokenizer": "the backend tokenizes: every response carries its token_ids and prompt_token_ids",
     "tokenize": "the backend tokenizes trajectories itself from their exact token ids",
     "tensorize": "the backend builds the training tensors itself",
+}
+
+# ART's `art.pipeline_trainer` names that have no counterpart here
+PIPELINE_TRAINER_NAMES: dict[str, str] = {
+    "StatusReporter": "PipelineTrainer prints its own progress: a line per step and eval, one on the three stages "
+                      "every log_interval_seconds, and a summary",
+    **dict.fromkeys(["CheckpointInfo", "CheckpointRetentionContext", "CheckpointRetentionStrategy",
+                     "keep_recent_and_top", "CHECKPOINT_CREATED_AT_METRIC", "CHECKPOINT_EVAL_COMPLETED_METRIC",
+                     "CHECKPOINT_SAVED_METRIC"],
+                    "every step is kept; await model.delete_checkpoints() keeps the newest and the best"),
 }
 
 # ART's `Model` fields named differently here, or not here

@@ -51,10 +51,19 @@ class RegisterBody(_Body):
                             "`art.Model`): its logged metrics are recorded; nothing is served or trained")
 
 
+# numbers a client records with a step or a logged split under names of its own (a pipeline's staleness)
+ClientMetrics = dict[str, Annotated[float, Field(allow_inf_nan=False)]]
+
+
 class TrainBody(_Body):
     groups: list[TrajectoryGroup]
     config: TrainConfig = Field(default_factory=TrainConfig)
     dropped: list[str] = Field(default_factory=list, description="why groups were dropped before training")
+    metrics: ClientMetrics = Field(default_factory=dict, description="the client's own numbers for this step, "
+                                   "recorded with it (a name the step itself records is refused)")
+    state: dict[str, Any] | None = Field(default=None, description="what the client needs to resume after this step "
+                                         "(PipelineTrainer's place in its scenarios), kept in the step's record as "
+                                         "`client_state`, committed with the checkpoint")
 
 
 class TrainSFTBody(_Body):
@@ -64,8 +73,11 @@ class TrainSFTBody(_Body):
 
 
 class LogBody(_Body):
-    groups: list[TrajectoryGroup]
+    groups: list[TrajectoryGroup] = Field(default_factory=list)
     split: Name = "val"
+    step: int | None = Field(default=None, ge=0, description="the step these scores are of (an eval that ran while "
+                             "later steps trained); default: the newest")
+    metrics: ClientMetrics = Field(default_factory=dict)
 
 
 class PushBody(_Body):
@@ -125,7 +137,7 @@ def training_router(service: TrainingService) -> APIRouter:
 
     @router.post("/models/{project}/{name}/train")
     async def train(project: NameInPath, name: NameInPath, body: TrainBody) -> dict[str, Any]:
-        return await service.train(project, name, body.groups, body.config, body.dropped)
+        return await service.train(project, name, body.groups, body.config, body.dropped, body.metrics, body.state)
 
     @router.post("/models/{project}/{name}/train_sft")
     async def train_sft(project: NameInPath, name: NameInPath, body: TrainSFTBody) -> dict[str, Any]:
@@ -133,7 +145,7 @@ def training_router(service: TrainingService) -> APIRouter:
 
     @router.post("/models/{project}/{name}/log")
     async def log(project: NameInPath, name: NameInPath, body: LogBody) -> dict[str, Any]:
-        return await service.log(project, name, body.groups, body.split)
+        return await service.log(project, name, body.groups, body.split, body.step, body.metrics)
 
     @router.get("/models/{project}/{name}/history")
     async def history(project: NameInPath, name: NameInPath) -> list[dict[str, Any]]:

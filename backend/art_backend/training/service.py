@@ -226,8 +226,10 @@ class TrainingService:
     # ----- training ---------------------------------------------------------------------
 
     async def train(self, project: str, name: str, groups: list[TrajectoryGroup], config: TrainConfig,
-                    dropped: list[str] | None = None) -> dict[str, Any]:
-        """One GRPO step, acknowledged once it is durable on disk and served."""
+                    dropped: list[str] | None = None, client_metrics: dict[str, float] | None = None,
+                    client_state: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One GRPO step, acknowledged once it is durable on disk and served. `client_metrics` are
+        recorded with it; `client_state` is kept in its record, committed with the checkpoint."""
         model = self.model(project, name, to_train=True)
         async with self._locks[name]:
             kill_point("step_started")
@@ -248,7 +250,7 @@ class TrainingService:
 
             return await self._commit_step(model, run, metrics, groups, started, {
                 "trained": bool(sequences), "learning_rate": config.learning_rate,
-                "scale_rewards": config.scale_rewards})
+                "scale_rewards": config.scale_rewards}, client_metrics, client_state)
 
     async def train_sft(self, project: str, name: str, trajectories: list[Trajectory],
                         config: TrainSFTConfig) -> dict[str, Any]:
@@ -281,7 +283,8 @@ class TrainingService:
 
     async def _commit_step(self, model: ModelFiles, run: Callable[[Path | None, Path], Awaitable[dict[str, float]]],
                            metrics: dict[str, Any], groups: list[TrajectoryGroup], started: float,
-                           settings: dict[str, Any]) -> dict[str, Any]:
+                           settings: dict[str, Any], client_metrics: dict[str, float] | None = None,
+                           client_state: dict[str, Any] | None = None) -> dict[str, Any]:
         """Train the next step (`run` from the newest checkpoint into a staging folder), commit it
         with its record and groups, publish and serve it as `<name>@<N>` and `<name>`."""
         step = self.get_step(model.project, model.name)
@@ -289,7 +292,14 @@ class TrainingService:
         try:
             metrics.update(await run(model.checkpoint(step), staging))
             metrics.update({**settings, "seconds": time.perf_counter() - started})
+            taken = sorted(set(client_metrics or {}) & set(metrics))
+            if taken:
+                raise TrainingRequestError(f"Nothing was committed: the step records {', '.join(map(repr, taken))} "
+                                           "itself; name the client's metrics differently (e.g. 'pipeline/...')")
+            metrics.update(client_metrics or {})
             record = {"step": step + 1, "split": "train", "time": time.time(), **metrics}
+            if client_state is not None:
+                record["client_state"] = client_state
             await asyncio.to_thread(model.commit, staging, step + 1, record, groups)
         finally:
             shutil.rmtree(staging, ignore_errors=True)  # gone already once committed
@@ -314,10 +324,21 @@ class TrainingService:
         })
         return sequences, metrics
 
-    async def log(self, project: str, name: str, groups: list[TrajectoryGroup], split: str) -> dict[str, Any]:
+    async def log(self, project: str, name: str, groups: list[TrajectoryGroup], split: str, step: int | None = None,
+                  client_metrics: dict[str, float] | None = None) -> dict[str, Any]:
+        """Record a split's scores at `step` (default: the newest), without training."""
         model = self.model(project, name)
-        step = self.get_step(project, name)
-        metrics = reward_metrics(groups)
+        newest = self.get_step(project, name)
+        if step is not None and step > newest:
+            raise TrainingRequestError(f"step {step} is not trained yet (the newest is {newest}): log a step's scores "
+                                       "once it is")
+        step = newest if step is None else step
+        metrics = reward_metrics(groups) if groups else {}
+        taken = sorted(set(client_metrics or {}) & set(metrics))
+        if taken:
+            raise TrainingRequestError(f"the split's own metrics include {', '.join(map(repr, taken))}: name the "
+                                       "client's metrics differently")
+        metrics.update(client_metrics or {})
         record = {"step": step, "split": split, "time": time.time(), **metrics}
         await asyncio.to_thread(model.record, record, split, groups)
         return {"step": step, "metrics": metrics}
