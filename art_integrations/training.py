@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from art_integrations.art_compat import names
 from art_integrations.strict import StrictModel
@@ -30,6 +30,19 @@ class TrainConfig(StrictModel):
                                          "instead of keeping them from forward: a step's memory falls ~6x (SmolLM2, the "
                                          "main job's 1,247-token step: +1.7 GB -> +0.27 GB) for one more forward's time.")
     max_sequence_length: int = Field(default=4096, ge=16)
+    importance_sampling_level: Literal["token", "sequence", "average", "geometric_average"] = Field(
+        default="token", description="ART's: the importance ratio of each token (token), of its whole sequence, the "
+        "geometric mean of the tokens' ratios (sequence, GSPO's), or the arithmetic or geometric mean of the two "
+        "(average, geometric_average); docs/training/grpo.md.")
+
+    @model_validator(mode="after")
+    def _level_with_loss(self) -> TrainConfig:
+        if self.loss == "ppo" and self.importance_sampling_level in ("average", "geometric_average"):
+            raise ValueError(f"importance_sampling_level={self.importance_sampling_level!r} is offered with "
+                             "loss='cispo' only: PPO's clip takes the gradient through the ratio, and a mix of each "
+                             "token's ratio with its sequence's is not computed so here. Use 'token' or 'sequence' "
+                             "with PPO")
+        return self
 
 
 class LoraConfig(StrictModel):

@@ -50,8 +50,16 @@ def test_underscore_config_applies_what_means_the_same_and_notes_what_changes_no
             "advantage_balance": 0.0, "importance_sampling_level": "token"})
     assert (config.learning_rate, config.loss, config.epsilon, config.scale_rewards) == (3e-5, "ppo", 0.3, False)
     assert "logprob_calculation_chunk_size=8 is taken but changes nothing" in caplog.text
-    with pytest.raises(ArtConfigError, match="importance_sampling_level='sequence' .*always 'token'"):
-        train_config_with(art.TrainConfig(), {"importance_sampling_level": "sequence"})
+    with caplog.at_level(logging.WARNING):
+        config = train_config_with(art.TrainConfig(), {"importance_sampling_level": "sequence",
+                                                       "truncated_importance_sampling": 2.0})
+    assert config.importance_sampling_level == "sequence"
+    assert "truncated_importance_sampling=2.0 is taken but changes nothing" in caplog.text
+    assert "the sampler's own, never recomputed" in caplog.text
+    with pytest.raises(ValueError, match="'average' is offered with loss='cispo' only"):
+        train_config_with(art.TrainConfig(), {"importance_sampling_level": "average", "ppo": True})
+    with pytest.raises(ArtConfigError, match="mask_prob_ratio=True .*always False"):
+        train_config_with(art.TrainConfig(), {"mask_prob_ratio": True})
     with pytest.raises(ArtConfigError, match="epsilon=0.3.*TrainConfig says 0.2"):
         train_config_with(art.TrainConfig(epsilon=0.2), {"epsilon": 0.3})
     with pytest.raises(ArtConfigError, match="learnin_rate=.*TrainConfig's fields are"):

@@ -381,34 +381,40 @@ def test_a_setting_the_chosen_engine_does_not_read_is_warned_about(tiny_model_di
     assert "without effect: max_loras (ART_BACKEND_MAX_LORAS)" in caplog.text
 
 
-def _oracle_logprobs(model: Any, prompt: list[int], completion: list[int], params: SamplingParams) -> list[float]:
-    """What `sampling.py` defines a drawn token's logprob to be (penalties and bias, temperature,
-    min-p, top-k and top-p), from transformers' float32 logits."""
+def _drawn_logprobs(model: Any, prompt: list[int], completion: list[int], params: SamplingParams) -> list[float]:
+    """From transformers' float32 logits, each completion token's logprob in the distribution it
+    was drawn from (penalties and bias, temperature, min-p, top-k and top-p: `sampling.py`'s steps)."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].float()
     row = RowSampling(params.temperature, params.top_p, 0, None, params.top_k, params.min_p)
     penalties = Penalties.for_prompt(prompt, params.frequency_penalty, params.presence_penalty,
                                      params.repetition_penalty, params.logit_bias)
     assert penalties is not None
-    out = []
+    drawn = []
     for position, token in enumerate(completion):
         penalties.apply(logits[position])
         scaled = truncate(logits[position:position + 1] / params.temperature, [row])
-        out.append(float(torch.log_softmax(scaled, dim=-1)[0, token]))
+        drawn.append(float(torch.log_softmax(scaled, dim=-1)[0, token]))
         penalties.record(token)
-    return out
+    return drawn
 
 
-async def test_penalties_bias_and_cuts_shape_the_draw_and_the_logprobs(engine: Engine, reference_model: Any) -> None:
+@pytest.mark.parametrize("cuts", [{"top_p": 0.9, "top_k": 20, "min_p": 0.02}, {}], ids=["cuts", "penalties-only"])
+async def test_penalties_bias_and_cuts_shape_the_draw_and_the_logprobs_are_the_policys(
+        engine: Engine, reference_model: Any, cuts: dict[str, Any]) -> None:
     prompt = _prompt(engine, "Count from 1 to 20, separated by commas.")
     comma = engine.tokenizer.convert_tokens_to_ids(",")
-    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, top_k=20, min_p=0.02, frequency_penalty=0.5,
-                            presence_penalty=0.3, repetition_penalty=1.2, logit_bias={comma: -3.0}, seed=5)
+    params = SamplingParams(max_tokens=24, temperature=0.8, frequency_penalty=0.5, presence_penalty=0.3,
+                            repetition_penalty=1.2, logit_bias={comma: -3.0}, seed=5, **cuts)
     outs = await _run(engine, GenerationRequest(prompt, params, n=2))
     for out in outs.values():
-        expected = _oracle_logprobs(reference_model, prompt, out["ids"], params)
-        assert all(lp > -1e9 for lp in expected), "a token outside the cut was drawn"
-        assert out["logprobs"] == pytest.approx(expected, abs=2e-3)
+        drawn = _drawn_logprobs(reference_model, prompt, out["ids"], params)
+        policy = _trainer_logprobs(reference_model, prompt, out["ids"], params.temperature)
+        assert all(lp > -1e9 for lp in drawn), "a token outside the cut was drawn"
+        # what the trainer recomputes (log_softmax(logits / T)), so the importance ratio of the
+        # policy that sampled is 1; the settings moved the drawn distribution well away from it
+        assert out["logprobs"] == pytest.approx(policy, abs=2e-3)
+        assert max(abs(d - p) for d, p in zip(drawn, policy)) > 0.1
 
 
 async def test_a_large_logit_bias_forces_a_token_and_penalties_change_greedy_text(engine: Engine) -> None:

@@ -82,6 +82,25 @@ def test_a_packed_step_has_the_unpacked_loss_and_gradients(trainer: LoraTrainer,
     assert any(float(g.abs().max()) > 0 for n, g in packed.items() if "lora_A" in n)
 
 
+@pytest.mark.parametrize(("loss", "level"), [("ppo", "sequence"), ("cispo", "average"), ("cispo", "geometric_average")])
+def test_a_sequence_level_ratio_is_the_same_packed_or_not_and_changes_the_step(
+        trainer: LoraTrainer, monkeypatch: pytest.MonkeyPatch, loss: str, level: str) -> None:
+    """Each sequence's ratio is taken over all its tokens before the chunked loss runs: packed
+    (terms of several sequences in one tree) and padded (a row each) must agree, and differ
+    from the token-level step."""
+    sequences = with_a_prefix_break(captured_sequences("city_facts_step.jsonl")[0])
+    monkeypatch.setattr(trainer_module, "LOGIT_CHUNK_TOKENS", 50)  # a sequence's tokens across chunks
+    config = TrainConfig(loss=loss, importance_sampling_level=level, temperature=0.7, micro_batch_tokens=2048)
+    packed_sums, packed = _gradients(trainer, sequences, config, packing=True)
+    plain_sums, plain = _gradients(trainer, sequences, config, packing=False)
+    assert packed_sums == pytest.approx(plain_sums, rel=1e-4, abs=1e-6)
+    for name, gradient in packed.items():
+        torch.testing.assert_close(gradient, plain[name], rtol=1e-4, atol=1e-7, msg=name)
+    token_sums, _ = _gradients(trainer, sequences, config.model_copy(update={"importance_sampling_level": "token"}),
+                               packing=True)
+    assert abs(token_sums["policy_loss"] - packed_sums["policy_loss"]) > 1e-4
+
+
 def test_logits_made_a_chunk_at_a_time_give_the_whole_logits_loss_and_gradients(
         trainer: LoraTrainer, monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(trainer.head, torch.nn.Linear)  # a Llama's logits are its lm_head's projection

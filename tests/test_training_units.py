@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from art_backend.training.loss import LossConfig, policy_loss
+from art_backend.training.loss import LossConfig, importance_ratio, policy_loss, sequence_log_ratio
 from art_backend.training.grpo import group_advantages
 from art_backend.training.tokenize import MissingTokensError, TokenizeStats, tokenize_trajectory
 from art_integrations import Choice, History, TrainConfig, Trajectory
@@ -40,6 +40,58 @@ def test_ppo_loss_matches_a_hand_computation() -> None:
     terms = policy_loss(logp_new, logp_rollout, advantages, weights, LossConfig("ppo", 0.2, 0.2))
     # token 0: min(1.5, 1.2) = 1.2; token 1: min(0.5, 0.8) = 0.5
     assert float(terms.loss) == pytest.approx(-(0.5 * 1.2 + 0.5 * 0.5))
+
+
+def test_the_sequence_ratio_is_the_geometric_mean_of_its_tokens_ratios() -> None:
+    # two sequences: tokens 0-2 (token 1 not trained) and 3-4
+    log_ratio = torch.tensor([math.log(2.0), 5.0, math.log(0.5), math.log(3.0), math.log(1 / 3)])
+    sequence_ids = torch.tensor([0, 0, 0, 1, 1])
+    trained = torch.tensor([True, False, True, True, True])
+    log_s = sequence_log_ratio(log_ratio, sequence_ids, trained)
+    # (prod_t ratio_t)^(1/|T|) over the trained tokens: (2 * 0.5)^(1/2) = 1, (3 * 1/3)^(1/2) = 1
+    assert log_s.exp().tolist() == pytest.approx([1.0] * 5)
+    uneven = torch.tensor([math.log(2.0), 0.0, math.log(8.0), math.log(3.0), math.log(3.0)])
+    s = sequence_log_ratio(uneven, sequence_ids, trained).exp()
+    assert s.tolist() == pytest.approx([4.0, 4.0, 4.0, 3.0, 3.0])  # sqrt(2 * 8), sqrt(3 * 3)
+    log_s = s.log()
+    ratios = uneven.exp()
+    assert importance_ratio(uneven, "token", None).tolist() == pytest.approx(ratios.tolist())
+    assert importance_ratio(uneven, "sequence", log_s).tolist() == pytest.approx(s.tolist())
+    assert importance_ratio(uneven, "average", log_s).tolist() == pytest.approx(((ratios + s) / 2).tolist())
+    assert importance_ratio(uneven, "geometric_average", log_s).tolist() == pytest.approx(
+        (ratios * s).sqrt().tolist())
+
+
+def test_ppo_at_the_sequence_level_has_gspos_gradient() -> None:
+    """Token by token, with the sequence's ratio through each token, the PPO loss's gradient is
+    that of GSPO's per-sequence loss, -min(s_i A_i, clip(s_i) A_i), each sequence weighted alike."""
+    logp_rollout = torch.tensor([-1.0, -2.0, -0.5, -1.5, -1.0])
+    start = torch.tensor([-0.9, -2.1, -0.2, -1.6, -1.0])
+    sequence_ids = torch.tensor([0, 0, 0, 1, 1])
+    advantages = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0])
+    lengths = torch.tensor([3.0, 3.0, 3.0, 2.0, 2.0])
+    weights = 1 / lengths / 2  # w_t = (1 / |T_i|) / W, W = 2 sequences
+    config = LossConfig("ppo", 0.2, 0.2, importance_sampling_level="sequence")
+    logp_new = start.clone().requires_grad_()
+    log_ratio = (logp_new - logp_rollout).detach()
+    sequence = sequence_log_ratio(log_ratio, sequence_ids, torch.ones(5, dtype=torch.bool))
+    policy_loss(logp_new, logp_rollout, advantages, weights, config, sequence=sequence).loss.backward()
+    direct = start.clone().requires_grad_()
+    total = torch.zeros(())
+    for i, tokens in enumerate([slice(0, 3), slice(3, 5)]):
+        s_i = torch.exp((direct[tokens] - logp_rollout[tokens]).mean())
+        a_i = advantages[tokens][0]
+        total = total - torch.minimum(s_i * a_i, s_i.clamp(0.8, 1.2) * a_i) / 2
+    total.backward()
+    assert logp_new.grad.tolist() == pytest.approx(direct.grad.tolist(), abs=1e-6)
+    assert any(abs(g) > 1e-3 for g in logp_new.grad.tolist())
+
+
+def test_ppo_refuses_the_mixed_levels_by_name() -> None:
+    with pytest.raises(ValueError, match="'geometric_average' is offered with loss='cispo' only"):
+        TrainConfig(loss="ppo", importance_sampling_level="geometric_average")
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        TrainConfig(importance_sampling_level="per_token")
 
 
 def test_kl_term_and_unknown_rollout_logprobs() -> None:

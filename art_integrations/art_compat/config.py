@@ -46,7 +46,6 @@ _AS_HERE: dict[tuple[str, str], Any] = {
     ("config", "allow_unvalidated_arch"): True,
     ("_config", "allow_training_without_logprobs"): True,
     ("_config", "advantage_balance"): 0.0,
-    ("_config", "importance_sampling_level"): "token",
     ("_config", "mask_prob_ratio"): False,
     ("_config", "kimi_k2_tau"): None,
     ("_config", "kl_penalty_coef"): 0.0,
@@ -56,7 +55,6 @@ _AS_HERE: dict[tuple[str, str], Any] = {
     ("_config", "num_trajectories_learning_rate_multiplier_power"): 0.0,
     ("_config", "plot_tensors"): False,
     ("_config", "scale_learning_rate_by_reward_std_dev"): False,
-    ("_config", "truncated_importance_sampling"): None,
     ("_config", "save_checkpoint"): True,
     ("_config", "loss_fn_config"): None,
     ("_config", "adam_params"): None,
@@ -71,10 +69,14 @@ _NO_EFFECT = {
     ("_config", "kl_penalty_source"): "it picks the policy of ART's KL penalty, which is off (kl_penalty_coef 0, the "
     "only value taken here; TrainConfig(beta=...) is the KL term here)",
     ("_config", "verbose"): "the backend logs each step; its metrics come back in the result",
+    ("_config", "truncated_importance_sampling"): "it corrects ART's recomputed old logprobs towards the sampler's "
+    "(times min(exp(old - sampler), bound)); here the old logprobs are the sampler's own, never recomputed, so that "
+    "factor is 1 (docs/training/grpo.md)",
 }
 # ART's _config fields that are TrainConfig fields here
 _TRAIN = {"epsilon": "epsilon", "epsilon_high": "epsilon_high", "scale_rewards": "scale_rewards",
-          "normalize_advantages": "scale_rewards", "loss_fn": "loss"}
+          "normalize_advantages": "scale_rewards", "loss_fn": "loss",
+          "importance_sampling_level": "importance_sampling_level"}
 _WAY_FORWARD = {
     "init_args": "Unsloth's loading arguments are the trainer's own here; the base model is the backend's "
                  "(`art-backend serve --model`, ART_BACKEND_MODEL)",

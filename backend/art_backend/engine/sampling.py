@@ -1,4 +1,4 @@
-"""Choosing the next token of every row in a decode batch, with the logprob of what it was drawn from.
+"""Choosing the next token of every row in a decode batch, with the policy's logprob of it.
 
 Per row, in vLLM's order, so both engines sample and report alike:
     1. bias and penalties on the logits (`Penalties.apply`): logit bias (added), repetition
@@ -11,10 +11,14 @@ Per row, in vLLM's order, so both engines sample and report alike:
     4. drawn as vLLM's CPU sampler draws (`gumbel_argmax`): the argmax of the result plus Gumbel
        noise that the row's seed fixes, so a seeded request samples the same tokens on both
        engines (on CPU: vLLM's GPU sampler draws other noise)
-The reported logprob is log softmax of that: the distribution the token was drawn from,
-which the trainer's importance ratio compares its own policy with. A grammar's mask is not in
-it: a row under a grammar reports the model's own distribution after steps 1 and 2 (so a token
-the grammar forces shows what the policy thought of it, and the policy learns the format).
+The reported logprob (and the top logprobs) is the policy's own at the row's temperature, before
+steps 1 and 3 and before a grammar's mask:
+
+    logp_t = log_softmax(logits_t / T)[token_t]        (T = 1 for greedy rows)
+
+which is what the trainer recomputes for the token (`training/trainer.py`), so the importance
+ratio of a step is 1 for the policy that sampled it whatever the sampling settings; why that
+distribution and not the one drawn from: docs/training/grpo.md.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class RowSampling:
     generator: torch.Generator | None
     top_k: int = 0  # 0: no top-k cut
     min_p: float = 0.0
+    penalized: bool = False  # bias or penalties change its logits (step 1)
 
     @property
     def truncates(self) -> bool:
@@ -162,20 +167,24 @@ def _take_rows(block: Tensor, rows: list[int]) -> Tensor:
 
 
 def sample(logits: Tensor, rows: list[RowSampling], allowed: Tensor | None = None,
-           kernels: Any | None = None) -> Sampled:
-    """`logits` [B, vocab] (float32, penalties applied) -> one token per row. `allowed`: [B, vocab]
-    bool, what each row's grammar allows (all True for rows without one). `kernels`: the fused CPU
-    ops (`cpu_kernels.py`), which draw each row that does not truncate, want top logprobs or have a
-    grammar that masks tokens at this step. Which way a row goes depends on that row alone: the two
-    ways round differently, and a seeded request must draw alike whatever rows share its step."""
+           kernels: Any | None = None, policy_logits: Tensor | None = None) -> Sampled:
+    """`logits` [B, vocab] (float32, penalties applied) -> one token per row. `policy_logits`: the
+    same before penalties, where a row is `penalized`. `allowed`: [B, vocab] bool, what each row's
+    grammar allows (all True for rows without one). `kernels`: the fused CPU ops
+    (`cpu_kernels.py`), which draw each row that is not penalized, does not truncate, wants no top
+    logprobs and has no grammar that masks tokens at this step. Which way a row goes depends on
+    that row alone: the two ways round differently, and a seeded request must draw alike whatever
+    rows share its step."""
+    if any(r.penalized for r in rows) and policy_logits is None:
+        raise ValueError("penalized rows need their policy_logits (the logits before penalties)")
     if kernels is None:
-        return _sample_eager(logits, rows, allowed, gumbel_argmax)
+        return _sample_eager(logits, rows, allowed, gumbel_argmax, policy_logits)
     masked = [False] * len(rows) if allowed is None else (~allowed.all(dim=-1)).tolist()
-    plain = [not (r.truncates or r.top_logprobs or m) for r, m in zip(rows, masked)]
+    plain = [not (r.truncates or r.top_logprobs or r.penalized or m) for r, m in zip(rows, masked)]
     fused = [i for i, p in enumerate(plain) if p]
     eager = [i for i, p in enumerate(plain) if not p]
     if not fused:
-        return _sample_eager(logits, rows, allowed, kernels.gumbel_argmax)
+        return _sample_eager(logits, rows, allowed, kernels.gumbel_argmax, policy_logits)
     fused_rows = [rows[i] for i in fused]
     temperature = torch.tensor([float(r.temperature) for r in fused_rows], device=logits.device)
     tokens, chosen = kernels.sample_tokens(_take_rows(logits, fused).contiguous(), temperature,
@@ -183,7 +192,7 @@ def sample(logits: Tensor, rows: list[RowSampling], allowed: Tensor | None = Non
     if not eager:
         return Sampled(tokens.tolist(), chosen.tolist(), [[] for _ in rows])
     rest = _sample_eager(logits[eager], [rows[i] for i in eager], None if allowed is None else allowed[eager],
-                         kernels.gumbel_argmax)
+                         kernels.gumbel_argmax, None if policy_logits is None else policy_logits[eager])
     out = Sampled([0] * len(rows), [0.0] * len(rows), [[] for _ in rows])
     for i, token, logprob in zip(fused, tokens.tolist(), chosen.tolist()):
         out.token_ids[i], out.logprobs[i] = token, logprob
@@ -193,29 +202,25 @@ def sample(logits: Tensor, rows: list[RowSampling], allowed: Tensor | None = Non
 
 
 def _sample_eager(logits: Tensor, rows: list[RowSampling], allowed: Tensor | None,
-                  draw: Callable[[Tensor, Tensor], Tensor]) -> Sampled:
+                  draw: Callable[[Tensor, Tensor], Tensor], policy_logits: Tensor | None) -> Sampled:
     """`sample` in torch ops but `draw` (`gumbel_argmax` or its kernel): every row, whatever it asks for."""
     device = logits.device
     temperature = torch.tensor([float(r.temperature) for r in rows], device=device)
     seeds = _seeds(rows, device)
     truncated_rows = [i for i, r in enumerate(rows) if r.truncates]
-    scaled = logits / torch.where(temperature == 0, 1.0, temperature)[:, None]
+    scale = torch.where(temperature == 0, 1.0, temperature)[:, None]
+    scaled = logits / scale
     drawn = scaled if allowed is None else scaled.masked_fill(~allowed, float("-inf"))
     if truncated_rows:
         drawn = drawn.clone() if drawn is scaled else drawn
         drawn[truncated_rows] = truncate(drawn[truncated_rows], [rows[i] for i in truncated_rows])
-    drawn_logprobs = torch.log_softmax(drawn, dim=-1)
-    reported = drawn_logprobs
-    if allowed is not None:
-        constrained = ~allowed.all(dim=-1)
-        if bool(constrained.any()):
-            reported = torch.where(constrained[:, None], torch.log_softmax(scaled, dim=-1), drawn_logprobs)
+    reported = torch.log_softmax(scaled if policy_logits is None else policy_logits / scale, dim=-1)
 
     tokens = torch.empty(len(rows), dtype=torch.long, device=device)
     # each pass below reads the whole [B, vocab] block: skip those no row needs
     greedy_rows = [i for i, r in enumerate(rows) if r.temperature == 0]
     if greedy_rows:
-        tokens[greedy_rows] = _take_rows(drawn_logprobs, greedy_rows).argmax(dim=-1)
+        tokens[greedy_rows] = _take_rows(drawn, greedy_rows).argmax(dim=-1)
     sampled_rows = [i for i, r in enumerate(rows) if r.temperature > 0]
     if sampled_rows:
         tokens[sampled_rows] = draw(_take_rows(drawn, sampled_rows).contiguous(), _take_rows(seeds, sampled_rows))

@@ -324,11 +324,12 @@ class TorchEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
-        rows = RowSampling(params.temperature, params.top_p, params.top_logprobs, generator, params.top_k, params.min_p)
-        text = IncrementalText(self.tokenizer, params.stop, params.skip_special_tokens)
-        matcher = self.constrainer.matcher(params.grammar) if params.grammar is not None else None
         penalties = Penalties.for_prompt(request.spec.prompt_ids, params.frequency_penalty, params.presence_penalty,
                                          params.repetition_penalty, params.logit_bias)
+        rows = RowSampling(params.temperature, params.top_p, params.top_logprobs, generator, params.top_k, params.min_p,
+                           penalized=penalties is not None)
+        text = IncrementalText(self.tokenizer, params.stop, params.skip_special_tokens)
+        matcher = self.constrainer.matcher(params.grammar) if params.grammar is not None else None
         return rows, text, matcher, penalties
 
     def _shared_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -354,6 +355,7 @@ class TorchEngine:
     def _accept(self, seqs: list[ActiveSequence], logits: torch.Tensor) -> None:
         """Sample one token for each of `seqs`, update their text, send deltas, retire the finished."""
         penalized = [row for row, seq in enumerate(seqs) if seq.penalties is not None]
+        policy_logits = logits.clone() if penalized else None  # the policy's own, which the logprobs report
         for row in penalized:
             seqs[row].penalties.apply(logits[row])  # type: ignore[union-attr]
         # only penalties can make logits NaN or +inf; such a request fails alone
@@ -372,7 +374,7 @@ class TorchEngine:
             logits = logits.nan_to_num(nan=0.0, posinf=0.0)  # the aborted rows' draws are thrown away
         allowed = self.constrainer.allowed_tokens([s.matcher for s in seqs], logits.shape[-1],
                                                   self.tokenizer.eos_token_id, self.device)
-        sampled = sample(logits, [s.rows for s in seqs], allowed, self.lean.kernels)
+        sampled = sample(logits, [s.rows for s in seqs], allowed, self.lean.kernels, policy_logits)
         by_request: dict[int, list[SequenceDelta]] = {}
         for seq, token, logprob, top in zip(seqs, sampled.token_ids, sampled.logprobs, sampled.top):
             matcher = seq.matcher

@@ -5,10 +5,10 @@ What reaches vLLM is what reaches the torch engine: prompt token ids rendered by
 formatter (so the ids we return are exactly those the model saw), the same llguidance grammars
 for forced tool calls and JSON (vLLM's structured outputs, guidance backend), and the same stop
 tokens. Penalties, logit bias and the top-k, min-p and top-p cuts are vLLM's own, which the
-torch engine follows (`sampling.py`), and logprobs are vLLM's `processed_logprobs`: of the
-distribution each token was drawn from, as the torch engine reports them; under a grammar, the
-policy's own before the grammar's mask, as on the torch engine (`vllm_policy_logprobs.py`: vLLM
-itself takes them after the mask, 0.0 for a forced token). On CPU, adapters are applied with one
+torch engine follows (`sampling.py`), and logprobs are the policy's own at the request's
+temperature, before penalties, bias, the cuts and a grammar's mask, as the torch engine reports
+them and the trainer recomputes them (`vllm_policy_logprobs.py`: vLLM's own modes measure other
+distributions, 0.0 for a token a grammar forces). On CPU, adapters are applied with one
 matmul per adapter in the batch (`vllm_cpu_lora.py`: vLLM's own CPU ops copy each token's matrix).
 
 Every checkpoint is a `LoRARequest` read from its directory. A training step pauses

@@ -1,27 +1,27 @@
-"""vLLM's logprobs under a grammar, made the policy's own, as the torch engine reports them.
+"""vLLM's logprobs made the policy's own, as the torch engine reports them (`sampling.py`).
 
-vLLM masks a grammar's disallowed tokens in the logits before its sampler runs, so even its
-`processed_logprobs` are taken among the tokens the grammar allowed: a token the grammar forces
-gets logprob 0.0 whatever the model thought of it. GRPO's importance ratio then compares the
-trainer's logprob with a number the policy never produced,
+The trainer's importance ratio compares its recompute of each token's logprob,
+log_softmax(logits / T), with the one the rollout reported. vLLM has no logprobs mode that
+measures that distribution: `raw_logprobs` are at temperature 1, `processed_logprobs` come after
+penalties, logit bias and the top-k/top-p cuts, and both after a grammar's mask (applied in the
+model runner before the sampler runs), so a token the grammar forces gets logprob 0.0 whatever
+the model thought of it. The ratio then differs from 1 for the policy that sampled, e.g.
 
-    ratio_t = exp(logp_new_t - 0.0)     e.g. exp(-6) for a forced `<tool_call>` the model does not yet favour
+    ratio_t = exp(logp_new_t - 0.0)     exp(-6) for a forced `<tool_call>` the model does not yet favour
 
-and CISPO weighs that token by it, so a grammar's forced tokens (the tool-call format) hardly
-train. No vLLM setting gives logprobs before the mask (raw_* modes are taken after it too).
+and CISPO weighs that token by it, so a grammar's forced tokens (the tool-call format) hardly train.
 
-So in each vLLM worker, the mask moves from just before the sampler to the start of
-`Sampler.sample`: penalties, logit bias and bad words are applied first (each acts on single
-tokens, so the order does not change what is sampled), the rows under a grammar keep a copy of
-their logits there, the mask is applied and vLLM samples as before. Those rows' logprobs are then
-replaced by the policy's own at the request's temperature, before mask and top-k/top-p cuts:
+So in each vLLM worker:
+  - the grammar's mask moves from just before the sampler to the start of `Sampler.sample`:
+    penalties, logit bias and bad words are applied first (each acts on single tokens, so the
+    order does not change what is sampled), then the mask, and vLLM samples as before;
+  - `Sampler.forward` takes, before all of that, each row's logprobs at its temperature
 
-    logp_t = log_softmax(logits_t / T)[token_t]     (T = 1 for greedy rows)
+        logp_t = log_softmax(logits_t / T)          (T = 1 for greedy rows)
 
-which is what `sampling.py` reports for a constrained row on the torch engine. Rows without a
-grammar, and what is sampled, are untouched.
+    and reports those for the sampled token and the top logprobs, in place of vLLM's.
 
-Installed in every worker process through `vllm_worker.py`.
+What is sampled is untouched. Installed in every worker process through `vllm_worker.py`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+_GREEDY = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 
 
 class _DeferredMask:
@@ -41,6 +43,15 @@ class _DeferredMask:
 _deferred = _DeferredMask()
 
 
+def policy_logprobs(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    """[rows, vocab] logprobs at each row's temperature (`temperature` None: every row greedy)."""
+    if temperature is None:
+        return torch.log_softmax(logits.float(), dim=-1)
+    scale = temperature.float()
+    scale = torch.where(scale < _GREEDY, torch.ones_like(scale), scale)
+    return torch.log_softmax(logits.float() / scale[:, None], dim=-1)
+
+
 def install() -> bool:
     """Patch this process's vLLM; False where its internals are not the ones this was written for."""
     from vllm.v1.sample import sampler as sampler_module
@@ -48,7 +59,9 @@ def install() -> bool:
 
     apply_mask = getattr(gpu_model_runner, "apply_grammar_bitmask", None)
     sample = getattr(sampler_module.Sampler, "sample", None)
-    if apply_mask is None or sample is None:
+    forward = getattr(sampler_module.Sampler, "forward", None)
+    gather = getattr(sampler_module.Sampler, "gather_logprobs", None)
+    if apply_mask is None or sample is None or forward is None or gather is None:
         return False
     if getattr(apply_mask, "_art_deferred", False):
         return True
@@ -59,31 +72,26 @@ def install() -> bool:
             return
         _deferred.pending = (scheduler_output, grammar_output, input_batch)
 
-    def sample_with_policy_logprobs(self: Any, logits: torch.Tensor, sampling_metadata: Any,
-                                    *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def sample_after_mask(self: Any, logits: torch.Tensor, sampling_metadata: Any,
+                          *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         pending, _deferred.pending = _deferred.pending, None
-        if pending is None:
-            return sample(self, logits, sampling_metadata, *args, **kwargs)
-        scheduler_output, grammar_output, input_batch = pending
-        wanted = set(grammar_output.structured_output_request_ids)
-        rows = [i for i, request_id in enumerate(input_batch.req_ids[: logits.shape[0]]) if request_id in wanted]
-        policy = logits[rows].clone() if rows and sampling_metadata.max_num_logprobs is not None else None
-        apply_mask(scheduler_output, grammar_output, input_batch, logits)
-        sampled, logprobs = sample(self, logits, sampling_metadata, *args, **kwargs)
-        if policy is None or logprobs is None or self.logprobs_mode != "processed_logprobs":
-            return sampled, logprobs
-        index = torch.tensor(rows, device=logits.device)
-        temperature = sampling_metadata.temperature
-        if temperature is None:  # every row greedy
-            scale = torch.ones(len(rows), device=logits.device)
-        else:
-            scale = temperature[index].float()
-            scale = torch.where(scale < 1e-5, torch.ones_like(scale), scale)
-        logprobs[index] = torch.log_softmax(policy.float() / scale[:, None], dim=-1)
-        return sampled, logprobs
+        if pending is not None:
+            apply_mask(*pending, logits)
+        return sample(self, logits, sampling_metadata, *args, **kwargs)
+
+    def forward_with_policy_logprobs(self: Any, logits: torch.Tensor, sampling_metadata: Any,
+                                     predict_bonus_token: bool = False, *args: Any, **kwargs: Any) -> Any:
+        wanted = sampling_metadata.max_num_logprobs
+        if wanted is None or wanted < 0 or predict_bonus_token or sampling_metadata.logprob_token_ids:
+            return forward(self, logits, sampling_metadata, predict_bonus_token, *args, **kwargs)
+        # before the sampler changes `logits` in place (penalties, bias, the mask, temperature, cuts)
+        policy = policy_logprobs(logits, sampling_metadata.temperature)
+        output = forward(self, logits, sampling_metadata, predict_bonus_token, *args, **kwargs)
+        output.logprobs_tensors = gather(policy, wanted, token_ids=output.sampled_token_ids[:, 0].long())
+        return output
 
     defer_mask._art_deferred = True  # type: ignore[attr-defined]
     gpu_model_runner.apply_grammar_bitmask = defer_mask
-    sampler_module.Sampler.sample = sample_with_policy_logprobs
+    sampler_module.Sampler.sample = sample_after_mask
+    sampler_module.Sampler.forward = forward_with_policy_logprobs
     return True
-

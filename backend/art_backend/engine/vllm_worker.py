@@ -15,11 +15,12 @@ WORKER_EXTENSION = f"{__name__}.BackendWorker"
 
 class BackendWorker:
     def report_policy_logprobs(self) -> bool:
-        """Logprobs under a grammar the policy's own (`vllm_policy_logprobs.py`)."""
+        """Logprobs the policy's own at the request's temperature (`vllm_policy_logprobs.py`)."""
         installed = vllm_policy_logprobs.install()
         if not installed:
-            logger.warning("This vLLM's sampler is not the one art_backend knows: logprobs under a grammar stay "
-                           "vLLM's (0.0 for a forced token), and GRPO trains forced tokens less on this engine.")
+            logger.warning("This vLLM's sampler is not the one art_backend knows: logprobs stay vLLM's (after "
+                           "penalties and top-k/top-p; 0.0 for a token a grammar forces), so GRPO's importance ratio "
+                           "differs from 1 for the policy that sampled and trains forced tokens less on this engine.")
         return installed
 
     def group_cpu_lora_ops(self, grouped: bool = True) -> bool:

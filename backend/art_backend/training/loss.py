@@ -3,6 +3,8 @@
 For every token t the policy produced in a rollout:
 
     ratio_t = exp(logp_new_t - logp_rollout_t)          importance weight vs the rollout policy
+                                                          (both the policy's own at the rollout's
+                                                          temperature: docs/training/grpo.md)
     A_t     = advantage of the token's trajectory        (r - mean(r_group)) / (std(r_group) + 1e-6)
                                                           (or r - mean(r_group): scale_rewards=False)
 
@@ -13,6 +15,16 @@ CISPO (default), a clipped-importance-weight REINFORCE:
 PPO-clip (option):
 
     loss_t = -min(ratio_t * A_t, clip(ratio_t, 1 - eps, 1 + eps) * A_t)
+
+ART's importance_sampling_level replaces ratio_t by its sequence's ratio s_i (GSPO's), the
+geometric mean of its tokens' ratios, or a mean of the two:
+
+    s_i = exp(mean_{u in T_i} log ratio_u) = (prod_{u in T_i} ratio_u)^(1 / |T_i|)
+    "sequence": s_i     "average": (ratio_t + s_i) / 2     "geometric_average": sqrt(ratio_t * s_i)
+
+s_i's value comes from every token of the sequence (the trainer computes it first: `sequence_log_ratio`)
+and its gradient through each token (exp(sg[log s_i] + log ratio_t - sg[log ratio_t]), GSPO-token):
+summed with the weights 1 / |T_i| below, that is the gradient of s_i itself.
 
 Optional KL to the base policy (adapter off), k3 estimator, with coefficient beta:
 
@@ -45,6 +57,7 @@ class LossConfig:
     epsilon: float = 1.0  # lower clip: 1 - epsilon (PPO's usual value is 0.2)
     epsilon_high: float = 4.0  # upper clip for CISPO: 1 + epsilon_high
     beta: float = 0.0  # KL coefficient
+    importance_sampling_level: Literal["token", "sequence", "average", "geometric_average"] = "token"
 
 
 @dataclass
@@ -55,13 +68,39 @@ class LossTerms:
     clipped_fraction: Tensor
 
 
+def token_log_ratio(logp_new: Tensor, logp_rollout: Tensor) -> Tensor:
+    """log ratio_t; where the rollout logprob is unknown (NaN) the rollout policy is the current one: ratio 1."""
+    return logp_new - torch.where(torch.isnan(logp_rollout), logp_new.detach(), logp_rollout)
+
+
+def sequence_log_ratio(log_ratio: Tensor, sequence_ids: Tensor, trained: Tensor) -> Tensor:
+    """log s_i at every token: the mean of log ratio_u over the trained tokens u of its sequence."""
+    sums = torch.zeros(int(sequence_ids.max()) + 1, dtype=log_ratio.dtype, device=log_ratio.device)
+    counts = torch.zeros_like(sums)
+    sums.index_add_(0, sequence_ids, torch.where(trained, log_ratio, 0.0))
+    counts.index_add_(0, sequence_ids, trained.to(log_ratio.dtype))
+    return (sums / counts.clamp(min=1))[sequence_ids]
+
+
+def importance_ratio(log_ratio: Tensor, level: str, sequence: Tensor | None) -> Tensor:
+    """ratio_t at `level` ("token", or with `sequence`, log s_i at each token, one of the others)."""
+    if level == "token":
+        return torch.exp(log_ratio)
+    assert sequence is not None, f"importance_sampling_level={level!r} needs each token's sequence ratio"
+    log_s = sequence.detach() + log_ratio - log_ratio.detach()  # s_i's value, its gradient through token t
+    if level == "sequence":
+        return torch.exp(log_s)
+    if level == "average":
+        return (torch.exp(log_ratio) + torch.exp(log_s)) / 2
+    return torch.exp((log_ratio + log_s) / 2)  # geometric_average
+
+
 def policy_loss(logp_new: Tensor, logp_rollout: Tensor, advantages: Tensor, weights: Tensor,
-                config: LossConfig, logp_ref: Tensor | None = None) -> LossTerms:
+                config: LossConfig, logp_ref: Tensor | None = None, sequence: Tensor | None = None) -> LossTerms:
     """All tensors are per token, same shape; `weights` is 0 wherever a token is not trained
-    and sums to 1 over the whole batch."""
-    # Where the rollout logprob is unknown (NaN) the rollout policy is the current one: ratio 1.
-    logp_rollout = torch.where(torch.isnan(logp_rollout), logp_new.detach(), logp_rollout)
-    ratio = torch.exp(logp_new - logp_rollout)
+    and sums to 1 over the whole batch. `sequence`: log s_i at each token (no gradient), for an
+    importance_sampling_level other than "token"."""
+    ratio = importance_ratio(token_log_ratio(logp_new, logp_rollout), config.importance_sampling_level, sequence)
     if config.kind == "cispo":
         clipped_ratio = ratio.clamp(1 - config.epsilon, 1 + config.epsilon_high).detach()
         per_token = -clipped_ratio * advantages * logp_new

@@ -61,6 +61,7 @@ class PackedBatch:
     term_rollout_logprobs: Tensor
     term_advantages: Tensor
     term_weights: Tensor  # each a share of the step's loss (`accumulate_gradients` divides by the total)
+    term_sequences: Tensor  # which of the batch's sequences the term is of (a sequence-level ratio's)
 
     @property
     def tokens(self) -> int:
@@ -165,7 +166,7 @@ def _flatten(trees: list[_Tree], sequences: list[TrainSequence]) -> PackedBatch:
     token_ids = torch.zeros(len(trees), length, dtype=torch.long)
     positions = torch.zeros(len(trees), length, dtype=torch.long)
     parents: list[list[int]] = []
-    terms: list[tuple[int, int, int, float, float, float]] = []
+    terms: list[tuple[int, int, int, int, float, float, float]] = []
     for row, tree in enumerate(trees):
         nodes: list[_Node] = []
         stack = list(reversed(tree.root.values()))
@@ -179,8 +180,9 @@ def _flatten(trees: list[_Tree], sequences: list[TrainSequence]) -> PackedBatch:
         parents.append([n.parent.index if n.parent else -1 for n in nodes])
         for i, path in tree.members:
             sequence = sequences[i]
-            terms += [(row, path[t - 1].index, sequence.token_ids[t], sequence.logprobs[t], sequence.advantage,
+            terms += [(row, path[t - 1].index, sequence.token_ids[t], i, sequence.logprobs[t], sequence.advantage,
                        sequence.weight) for t in range(1, len(path)) if sequence.assistant_mask[t]]
-    columns = list(zip(*terms)) if terms else [()] * 6
-    return PackedBatch(token_ids, positions, parents, *(torch.tensor(c, dtype=torch.long) for c in columns[:3]),
-                       *(torch.tensor(c, dtype=torch.float) for c in columns[3:]))
+    columns = list(zip(*terms)) if terms else [()] * 7
+    rows, term_positions, targets, of_sequence = (torch.tensor(c, dtype=torch.long) for c in columns[:4])
+    return PackedBatch(token_ids, positions, parents, rows, term_positions, targets,
+                       *(torch.tensor(c, dtype=torch.float) for c in columns[4:]), of_sequence)

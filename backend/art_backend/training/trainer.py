@@ -31,7 +31,7 @@ from art_backend.engine.host_memory import reusing_freed_memory
 from art_backend.errors import DamagedCheckpointError
 from art_backend.kill_points import kill_point
 from art_backend.training.base_model import FirstAdapter, peft_first_adapter
-from art_backend.training.loss import LossConfig, LossTerms, policy_loss
+from art_backend.training.loss import LossConfig, LossTerms, policy_loss, sequence_log_ratio, token_log_ratio
 from art_backend.training.packing import PackedBatch, pack, padded_batches
 from art_backend.training.sft import SFT_LOSS, sft_loss
 from art_backend.training.tokenize import TrainSequence
@@ -83,7 +83,7 @@ def loss_config(config: TrainConfig) -> LossConfig:
     epsilon = config.epsilon if config.epsilon is not None else (1.0 if config.loss == "cispo" else 0.2)
     epsilon_high = config.epsilon_high if config.epsilon_high is not None else (
         4.0 if config.loss == "cispo" else epsilon)
-    return LossConfig(config.loss, epsilon, epsilon_high, config.beta)
+    return LossConfig(config.loss, epsilon, epsilon_high, config.beta, config.importance_sampling_level)
 
 
 class AdapterUpdate:
@@ -255,9 +255,11 @@ class LoraTrainer:
         def features() -> torch.Tensor:
             return self._features(inputs, keep).flatten(0, 1)
 
-        targets, rollout, advantages, weights = (x[:, first:].flatten().to(self.device)
-                                                 for x in (ids, rollout, advantages, weights))
-        return self._loss_backward_saving_logit_memory(features, targets, rollout, advantages, weights, config, losses)
+        rows = torch.arange(len(batch))[:, None].expand(-1, length)  # each row is a sequence
+        targets, rollout, advantages, weights, sequence_ids = (x[:, first:].flatten().to(self.device)
+                                                               for x in (ids, rollout, advantages, weights, rows))
+        return self._loss_backward_saving_logit_memory(features, targets, rollout, advantages, weights, sequence_ids,
+                                                       config, losses)
 
     def _packed_backward(self, batch: PackedBatch, config: TrainConfig, losses: LossConfig) -> tuple[LossTerms, float]:
         """Prefix-tree rows (see packing.py): each trained token's logits come from the one copy
@@ -280,8 +282,8 @@ class LoraTrainer:
 
         with attention:
             return self._loss_backward_saving_logit_memory(features, *(x.to(self.device) for x in (
-                batch.term_targets, batch.term_rollout_logprobs, batch.term_advantages, batch.term_weights)),
-                config, losses)
+                batch.term_targets, batch.term_rollout_logprobs, batch.term_advantages, batch.term_weights,
+                batch.term_sequences)), config, losses)
 
     def _features(self, inputs: dict[str, torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
         """What the output head turns into logits, at the positions `keep` of each row: the decoder's
@@ -293,7 +295,8 @@ class LoraTrainer:
 
     def _loss_backward_saving_logit_memory(self, features: Callable[[], torch.Tensor], targets: torch.Tensor,
                                            rollout: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
-                                           config: TrainConfig, losses: LossConfig) -> tuple[LossTerms, float]:
+                                           sequence_ids: torch.Tensor, config: TrainConfig, losses: LossConfig
+                                           ) -> tuple[LossTerms, float]:
         """The loss of one forward's trained tokens (one per row of `features`), its gradients
         accumulated; and their entropy.
 
@@ -301,7 +304,9 @@ class LoraTrainer:
         token, several copies through log-softmax and its backward), so they are made from the
         features LOGIT_CHUNK_TOKENS tokens at a time: each chunk's loss runs its backward into a
         detached copy of the features, and the model's backward then runs once from their summed
-        gradient. The loss is a weighted sum over tokens, so the chunks' sum is the same loss."""
+        gradient. The loss is a weighted sum over tokens, so the chunks' sum is the same loss.
+        A sequence-level importance ratio needs every token of the sequence first (a micro-batch
+        holds whole sequences): a pass without gradients over the chunks gives it."""
         assert self.peft is not None
         hidden = features()
         reference = None
@@ -314,17 +319,23 @@ class LoraTrainer:
             logp_all = torch.log_softmax(self.head(rows).float() / config.temperature, dim=-1)
             return logp_all, logp_all.gather(-1, targets[chunk, None])[:, 0]
 
+        chunks = [slice(start, start + LOGIT_CHUNK_TOKENS) for start in range(0, len(targets), LOGIT_CHUNK_TOKENS)]
+        sequence = None
+        if losses.kind != "sft" and losses.importance_sampling_level != "token":
+            with torch.no_grad():
+                logp = torch.cat([logprobs(detached[chunk], chunk)[1] for chunk in chunks])
+            sequence = sequence_log_ratio(token_log_ratio(logp, rollout), sequence_ids, weights > 0)
         parts: list[LossTerms] = []
         entropy_sum = 0.0
-        for start in range(0, len(targets), LOGIT_CHUNK_TOKENS):
-            chunk = slice(start, start + LOGIT_CHUNK_TOKENS)
+        for chunk in chunks:
             logp_all, logp_new = logprobs(detached[chunk], chunk)
             logp_ref = None
             if reference is not None:
                 with torch.no_grad(), self.peft.disable_adapter():
                     logp_ref = logprobs(reference[chunk], chunk)[1]
             terms = (sft_loss(logp_new, weights[chunk]) if losses.kind == "sft" else
-                     policy_loss(logp_new, rollout[chunk], advantages[chunk], weights[chunk], losses, logp_ref))
+                     policy_loss(logp_new, rollout[chunk], advantages[chunk], weights[chunk], losses, logp_ref,
+                                 None if sequence is None else sequence[chunk]))
             terms.loss.backward()
             parts.append(LossTerms(terms.loss.detach(), terms.policy_loss, terms.kl, terms.clipped_fraction))
             with torch.no_grad():
