@@ -52,7 +52,7 @@ class RegisterBody(_Body):
 
 
 # numbers a client records with a step or a logged split under names of its own (a pipeline's staleness)
-ClientMetrics = dict[str, Annotated[float, Field(allow_inf_nan=False)]]
+ClientMetrics = dict[str, Annotated[float, Field(allow_inf_nan=False, strict=True)]]  # "1" or true refused
 
 
 class TrainBody(_Body):
@@ -75,8 +75,8 @@ class TrainSFTBody(_Body):
 class LogBody(_Body):
     groups: list[TrajectoryGroup] = Field(default_factory=list)
     split: Name = "val"
-    step: int | None = Field(default=None, ge=0, description="the step these scores are of (an eval that ran while "
-                             "later steps trained); default: the newest")
+    step: int | None = Field(default=None, ge=0, strict=True, description="the step these scores are of (an eval "
+                             "that ran while later steps trained); default: the newest")
     metrics: ClientMetrics = Field(default_factory=dict)
 
 
