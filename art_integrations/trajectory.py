@@ -12,7 +12,7 @@ import asyncio
 import inspect
 import math
 import traceback
-from collections.abc import Awaitable, Generator, Iterable
+from collections.abc import Awaitable, Generator, Iterable, Sequence
 from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_serializer, field_validator, model_validator
@@ -180,6 +180,12 @@ class Trajectory(History):
     def histories(self) -> list[History]:
         """The main conversation first, then the additional ones."""
         return [self, *self.additional_histories]
+
+
+def rewards_differ(rewards: Sequence[float]) -> bool:
+    """Whether a group's rewards carry a learning signal: two or more that are not all equal. GRPO
+    skips a group without (the backend), and the pipeline drops it before it takes a batch's place."""
+    return len(rewards) >= 2 and max(rewards) - min(rewards) >= 1e-9
 
 
 class TrajectoryGroup(StrictModel):

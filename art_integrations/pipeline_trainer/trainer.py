@@ -38,7 +38,7 @@ from art_integrations.pipeline_trainer.state import PipelineState
 from art_integrations.pipeline_trainer.status import PipelineStatus
 from art_integrations.pipeline_trainer.types import ConfigT, EvalFn, RolloutFn, ScenarioT
 from art_integrations.training import TrainConfig
-from art_integrations.trajectory import PendingGroup, Trajectory, TrajectoryGroup
+from art_integrations.trajectory import PendingGroup, Trajectory, TrajectoryGroup, rewards_differ
 
 if TYPE_CHECKING:
     from art_integrations.backend import Backend
@@ -140,7 +140,7 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         if self.eval_fn is not None and self.eval_at_start and self.step not in self.state.evaluated:
             self.evals.put_nowait(self.step)
         self._main = asyncio.current_task()
-        self._eval_running = self._interrupted = False
+        self._interrupted = False
         restore = stop_on_signals(self._on_signal) if handle_signals else None
         rollouts = asyncio.create_task(self._rollout_stage(), name="rollouts")
         training = asyncio.create_task(self._training_stage(), name="training")
@@ -156,8 +156,7 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
             rollouts.cancel()
             await asyncio.gather(rollouts, return_exceptions=True)
             if not self._interrupted:  # the evals queued for the last steps still run
-                while not self.evals.empty() or self._eval_running:
-                    await asyncio.sleep(0.05)
+                await self.evals.join()
         finally:
             self.stopping.set()
             for task in rollouts, training, evals, status:
@@ -327,8 +326,7 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         started = min(t.initial_policy_version for t in group.trajectories if t.initial_policy_version is not None)
         if self.max_steps_off_policy is not None and started < self.step - self.max_steps_off_policy:
             return "stale"
-        rewards = [t.reward for t in group.trajectories]
-        if len(rewards) < 2 or max(rewards) - min(rewards) <= 1e-12:
+        if not rewards_differ([t.reward for t in group.trajectories]):
             return "no signal"
         return None
 
@@ -364,11 +362,13 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
     async def _eval_stage(self) -> None:
         while True:
             step = await self.evals.get()
-            await self._run_eval(step)
+            try:
+                await self._run_eval(step)
+            finally:
+                self.evals.task_done()
 
     async def _run_eval(self, step: int) -> None:
         assert self.eval_fn is not None
-        self._eval_running = True
         started = time.monotonic()
         try:
             result = await self.eval_fn(self.model, step, self.config)
@@ -391,8 +391,6 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         except Exception as error:  # an eval that fails does not stop training: said, and kept in the logs
             logger.warning("eval of step %d failed: %r", step, error, exc_info=True)
             self.status.say(f"eval of step {step} failed: {error!r}")
-        finally:
-            self._eval_running = False
 
     async def _status_loop(self) -> None:
         while True:

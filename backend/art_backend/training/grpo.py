@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 from art_backend.errors import TrainingRequestError
 from art_backend.training.tokenize import TokenizeStats, TrainSequence, tokenize_trajectory
 from art_integrations.training import LoraConfig, TrainConfig
-from art_integrations.trajectory import TrajectoryGroup
+from art_integrations.trajectory import TrajectoryGroup, rewards_differ
 
 if TYPE_CHECKING:  # the training service imports this module; peft only comes with the first step
     from art_backend.training.trainer import LoraTrainer
@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # the training service imports this module; peft only comes w
 def group_advantages(rewards: list[float], scale: bool) -> list[float] | None:
     """Step 1: A = (r - mean) / (std + 1e-6) per group (std division optional); None when all
     rewards are equal: such a group carries no signal."""
-    if len(rewards) < 2 or max(rewards) - min(rewards) < 1e-9:
+    if not rewards_differ(rewards):
         return None
     mean = statistics.fmean(rewards)
     std = statistics.pstdev(rewards)

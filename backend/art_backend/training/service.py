@@ -79,6 +79,15 @@ class OneTrainer:
         return self._trainer
 
 
+def _add_client_metrics(metrics: dict[str, Any], client_metrics: dict[str, float] | None, refusal: str) -> None:
+    """`client_metrics` into `metrics`; a name the step or split records itself is refused, not overwritten."""
+    taken = sorted(set(client_metrics or {}) & set(metrics))
+    if taken:
+        raise TrainingRequestError(f"{refusal} {', '.join(map(repr, taken))} itself: name the client's metrics "
+                                   "differently (e.g. 'pipeline/...')")
+    metrics.update(client_metrics or {})
+
+
 class TrainingService:
     def __init__(self, engine: Engine, art_dir: Path, cache_dir: Path | None = None,
                  trainer: OneTrainer | None = None) -> None:
@@ -292,11 +301,7 @@ class TrainingService:
         try:
             metrics.update(await run(model.checkpoint(step), staging))
             metrics.update({**settings, "seconds": time.perf_counter() - started})
-            taken = sorted(set(client_metrics or {}) & set(metrics))
-            if taken:
-                raise TrainingRequestError(f"Nothing was committed: the step records {', '.join(map(repr, taken))} "
-                                           "itself; name the client's metrics differently (e.g. 'pipeline/...')")
-            metrics.update(client_metrics or {})
+            _add_client_metrics(metrics, client_metrics, "Nothing was committed: the step records")
             record = {"step": step + 1, "split": "train", "time": time.time(), **metrics}
             if client_state is not None:
                 record["client_state"] = client_state
@@ -334,11 +339,7 @@ class TrainingService:
                                        "once it is")
         step = newest if step is None else step
         metrics = reward_metrics(groups) if groups else {}
-        taken = sorted(set(client_metrics or {}) & set(metrics))
-        if taken:
-            raise TrainingRequestError(f"the split's own metrics include {', '.join(map(repr, taken))}: name the "
-                                       "client's metrics differently")
-        metrics.update(client_metrics or {})
+        _add_client_metrics(metrics, client_metrics, "The split records")
         record = {"step": step, "split": split, "time": time.time(), **metrics}
         await asyncio.to_thread(model.record, record, split, groups)
         return {"step": step, "metrics": metrics}
