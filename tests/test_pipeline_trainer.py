@@ -49,6 +49,15 @@ def _scenarios(n: int, **extra: Any) -> list[dict[str, Any]]:
     return [{"id": i, "q": f"question {i}", **extra} for i in range(n)]
 
 
+async def _trained_steps(trainer: PipelineTrainer[Any, Any]) -> list[dict[str, Any]]:
+    """Run `trainer` to its end, then close its backend; the train records of the model's history."""
+    try:
+        await trainer.train(handle_signals=False)
+        return [r for r in await trainer.model.history() if r["split"] == "train"]
+    finally:
+        await trainer.backend.close()
+
+
 def _trained(art_dir: Path, name: str) -> dict[int, list[dict[str, Any]]]:
     """Each committed step's trained trajectories, as stored."""
     folder = art_dir / "pipe" / "models" / name / "trajectories" / "train"
@@ -57,35 +66,55 @@ def _trained(art_dir: Path, name: str) -> dict[int, list[dict[str, Any]]]:
 
 
 @pytest.mark.parametrize("max_steps_off_policy", [0, 1])
-async def test_rollouts_run_while_a_step_trains_and_stale_groups_are_dropped(
+async def test_workers_start_only_groups_that_train_within_the_bound(
         tmp_path: Path, max_steps_off_policy: int, capsys: pytest.CaptureFixture[str]) -> None:
     backend = tiny_backend(tmp_path)
     model = TrainableModel(name="agent", project="pipe")
     await model.register(backend)
-    # groups 0-1 answer at once and make step 1; groups 2-5 start beside them, at step 0, and finish
-    # only once step 1 is trained: one step off-policy when step 2 takes them
-    scenarios = _scenarios(2) + [{**s, "id": s["id"] + 2, "after_step": 1} for s in _scenarios(4)]
-    trainer = PipelineTrainer(model, backend, _pair, scenarios, None, num_rollout_workers=6, min_batch_size=2,
+    running, most_running = 0, 0
+
+    async def counted(model: TrainableModel, scenario: dict[str, Any], config: Any) -> TrajectoryGroup:
+        nonlocal running, most_running
+        running += 1
+        most_running = max(most_running, running)
+        try:
+            return await _pair(model, scenario, config)
+        finally:
+            running -= 1
+
+    # six workers, two groups a step: at most (bound + 1) steps' worth of groups run at once, so
+    # none lands more than the bound behind and none is dropped
+    trainer = PipelineTrainer(model, backend, counted, _scenarios(6), None, num_rollout_workers=6, min_batch_size=2,
                               max_batch_size=2, max_steps_off_policy=max_steps_off_policy, train_config=TRAIN)
-    try:
-        await trainer.train(handle_signals=False)
-        history = [r for r in await model.history() if r["split"] == "train"]
-    finally:
-        await backend.close()
+    history = await _trained_steps(trainer)
     trained = _trained(tmp_path, "agent")
-    assert {t["metadata"]["scenario"] for t in trained[1]} == {0, 1}
+    assert sorted(trained) == [1, 2, 3] and not trainer.status.dropped
+    assert most_running == 2 * (max_steps_off_policy + 1)
     assert all(t["initial_policy_version"] == 0 and t["final_policy_version"] == 0 for t in trained[1])
+    off_policy = [r["pipeline/steps_off_policy"] for r in history]
+    assert max(off_policy) <= max_steps_off_policy and "pipeline/batch_wait_seconds" in history[0]
+    if max_steps_off_policy == 1:  # step 2's groups ran while step 1 trained: sampled by step 0
+        assert off_policy[1] == 1.0 and all(t["initial_policy_version"] == 0 for t in trained[2])
     out = capsys.readouterr().out
     assert "step 1: 2 groups" in out and "stopped because the scenarios ran out (after 6 scenarios)" in out
-    if max_steps_off_policy == 0:  # the four are a step behind the step they would train in: dropped, counted
-        assert sorted(trained) == [1] and trainer.status.dropped == {"stale": 4}
-        assert "4 dropped" in out
-    else:  # two of them train in step 2, one step behind; the other two would be two behind in step 3
-        assert sorted(trained) == [1, 2] and trainer.status.dropped == {"stale": 2}
-        assert len({t["metadata"]["scenario"] for t in trained[2]} & {2, 3, 4, 5}) == 2
-        assert all(t["initial_policy_version"] == 0 and t["final_policy_version"] == 1 for t in trained[2])
-        assert history[1]["pipeline/steps_off_policy"] == 1.0 and history[1]["pipeline/dropped_stale"] == 0
-    assert history[0]["pipeline/steps_off_policy"] == 0.0 and "pipeline/batch_wait_seconds" in history[0]
+
+
+async def test_a_group_overtaken_by_later_ones_is_dropped_as_stale(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    backend = tiny_backend(tmp_path)
+    model = TrainableModel(name="agent", project="pipe")
+    await model.register(backend)
+    # scenario 0 starts at step 0 and waits on a slow tool until step 2 is trained; 1, 2 and 3 pass
+    # it and train steps 1-3: when it lands it is two steps behind, over the bound of one
+    scenarios = [{"id": 0, "q": "question 0", "after_step": 2}, *_scenarios(4)[1:]]
+    trainer = PipelineTrainer(model, backend, _pair, scenarios, None, num_rollout_workers=3, min_batch_size=1,
+                              max_batch_size=1, max_steps_off_policy=1, train_config=TRAIN)
+    history = await _trained_steps(trainer)
+    trained = _trained(tmp_path, "agent")
+    assert {step: {t["metadata"]["scenario"] for t in ts} for step, ts in trained.items()} == {1: {1}, 2: {2}, 3: {3}}
+    assert trainer.status.dropped == {"stale": 1} and [r["pipeline/steps_off_policy"] for r in history] == [0, 0, 0]
+    out = capsys.readouterr().out
+    assert "1 dropped (1 stale)" in out and "stopped because the scenarios ran out (after 4 scenarios)" in out
 
 
 async def test_a_stopped_run_resumes_at_its_last_step_with_every_scenario_trained_once(tmp_path: Path) -> None:

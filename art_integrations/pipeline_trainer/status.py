@@ -61,7 +61,8 @@ class PipelineStatus:
         minutes = (time.monotonic() - self.started) / 60
         rate = self.steps / minutes if minutes > 0 else 0.0
         train = f", median train {statistics.median(self.train_seconds):.1f} s" if self.train_seconds else ""
-        dropped = sum(self.dropped.values())
+        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.dropped.items()))
+        dropped = f"{sum(self.dropped.values())} dropped" + (f" ({reasons})" if reasons else "")
         return (f"pipeline: {self.steps} steps ({first_step} -> {last_step}) in {minutes:.1f} min, {rate:.2f} steps/min"
-                f"{train}; {self.groups_trained} groups trained, {dropped} dropped, {self.rollouts_done} rollouts "
+                f"{train}; {self.groups_trained} groups trained, {dropped}, {self.rollouts_done} rollouts "
                 f"({self.rollouts_failed} failed); stopped because {why}")

@@ -2,15 +2,18 @@
 event loop.
 
     rollout workers --groups--> queue --batch--> train step N+1 --> served as name@N+1
-        ^ a worker waits while the newest step is more than          |
-        | max_steps_off_policy behind the step being trained next    |
+        ^ a worker starts a group only if it would train within      |
+        | max_steps_off_policy steps of the checkpoint it samples    |
         +------------------------ policy version <-------------------+
     eval: eval_fn(model, step, config) every eval_every_n_steps, beside both
 
 Each trajectory records the step that was newest when its rollout started and when it ended
 (`initial_policy_version`, `final_policy_version`). A group that started more than
 `max_steps_off_policy` steps before the step it would train in is dropped and counted, as is a
-group without signal (equal rewards). What stays off-policy within the bound is corrected per
+group without signal (equal rewards). Workers are held back so that this is rare: a group
+starts only when the groups ahead of it leave it a step within the bound (ART starts one
+whenever a worker is free, and drops the many that land too late); one still drops when groups
+started after it finish first (a slow tool). What stays off-policy within the bound is corrected per
 token by the importance ratio: each token's rollout logprob is of the checkpoint that sampled it.
 
 After a crash, `train()` again resumes at the last committed step: the scenarios that step had
@@ -131,6 +134,7 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         self.policy_updated = asyncio.Condition()
         self.stopping = asyncio.Event()
         self.dropped_this_step: list[int] = []
+        self.gathering: list[tuple[int, TrajectoryGroup]] = []  # the batch being gathered for the next step
         self.failures: list[str] = []
         self.zero_variance_run = 0
         self.why = "max_steps reached"
@@ -214,19 +218,31 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
             await asyncio.gather(*workers, return_exceptions=True)
         await self.queue.put(None)  # the scenarios ran out
 
+    def _would_be_stale(self) -> bool:
+        """Whether a group started now would train more than max_steps_off_policy steps after the
+        checkpoint it samples from: the groups ahead of it (running, queued, in the batch being
+        gathered) fill the steps before its own, after the step in training, if one is."""
+        if self.max_steps_off_policy is None:
+            return False
+        ahead = self.status.rolling_out + self.status.queued + len(self.gathering)
+        steps_before_its_own = (self.next_step > self.step) + ahead // self.min_batch_size
+        return steps_before_its_own > self.max_steps_off_policy
+
     async def _rollout_worker(self) -> None:
         while not self.stopping.is_set():
-            async with self.policy_updated:  # not more than max_steps_off_policy behind the step in training
-                await self.policy_updated.wait_for(lambda: self.stopping.is_set() or self.max_steps_off_policy is None
-                                                   or self.step >= self.next_step - self.max_steps_off_policy)
-            if self.stopping.is_set():
-                return
-            taken = await self._next_scenario()
+            # ART's workers start whenever the step in training is within the bound, so with more
+            # workers than a batch holds their groups land steps later and are dropped as stale:
+            # here a worker starts one only if it would train within the bound, counted at once
+            # (rolling_out) so the next worker's check sees it
+            async with self.policy_updated:
+                await self.policy_updated.wait_for(lambda: self.stopping.is_set() or not self._would_be_stale())
+                self.status.rolling_out += 1
+            taken = None if self.stopping.is_set() else await self._next_scenario()
             if taken is None:
+                self.status.rolling_out -= 1
                 return
             index, scenario = taken
             version = self.step
-            self.status.rolling_out += 1
             self.status.scenarios_started += 1
             try:
                 group = self.rollout_fn(self.model, scenario, self.config)
@@ -278,6 +294,7 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         """At least min_batch_size groups with signal and within the staleness bound (fewer
         when the scenarios ran out), then up to max_batch_size of those already queued."""
         batch: list[tuple[int, TrajectoryGroup]] = []
+        self.gathering = batch
         while len(batch) < self.max_batch_size:
             if len(batch) >= self.min_batch_size and self.queue.empty():
                 break
@@ -297,6 +314,8 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
                 continue
             self.status.dropped[reason] += 1
             self.dropped_this_step.append(index)
+            async with self.policy_updated:  # one group fewer ahead: a worker may start
+                self.policy_updated.notify_all()
             if reason == "no signal":
                 self.zero_variance_run += 1
                 if self.zero_variance_run >= self.collapse_limit:
@@ -331,9 +350,11 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         return None
 
     async def _train(self, batch: list[tuple[int, TrajectoryGroup]], waited: float) -> None:
-        groups = [group for _, group in batch]
+        # in the scenarios' order, not the order they finished in: a run repeats whatever the timing
+        groups = [group for _, group in sorted(batch, key=lambda item: item[0])]
         async with self.policy_updated:
             self.next_step = self.step + 1
+            self.gathering = []
             self.policy_updated.notify_all()
         for index in [*self.dropped_this_step, *(index for index, _ in batch)]:
             self.state.ledger.mark(index)  # committed with this step; a failed step raises and stops the run
