@@ -5,8 +5,9 @@ and the held-out score after it is printed too: base -> after SFT -> after RL.
 An example describes itself with an `Example` (its scenarios, how one rollout runs on a
 served model, which metrics to show) and gets two commands from this module:
 
-    train_main(EXAMPLE)      # python -m examples.<name>.train     [--model DIR] [--ruler] ...
+    train_main(EXAMPLE)      # python -m examples.<name>.train     [--model DIR] [--ruler] [--pipeline] ...
     evaluate_main(EXAMPLE)   # python -m examples.<name>.evaluate  [--base-url URL --models a b] ...
+                             # (examples/evaluation.py)
 
 Training resumes from the last checkpoint when run again; the held-out scores already
 measured come from the model's history.
@@ -47,8 +48,9 @@ class Scenario(Protocol):
 
 @dataclass(frozen=True)
 class Policy:
-    """A served model a rollout talks to. `trainable` means our backend (record exact tokens);
-    any other OpenAI-compatible endpoint is only scored."""
+    """A served model a rollout talks to, and how long the world around it makes the rollout wait.
+    `trainable` means our backend (record exact tokens); any other OpenAI-compatible endpoint is
+    only scored."""
 
     base_url: str  # ends in /v1
     model: str
@@ -57,6 +59,8 @@ class Policy:
     max_tokens: int = 64
     trainable: bool = True
     seed: int | None = None  # sent with every request: the same seed and prompt sample the same tokens
+    tool_seconds: float = 0.0  # each tool call answers after this, as a remote service would (`--tool-seconds`)
+    judge_seconds: float = 0.0  # each finished rollout waits this for its score, as on a hosted judge
 
     def langchain(self, **kwargs: Any) -> Any:
         """A LangChain chat model: `ChatART` on our backend, plain `ChatOpenAI` elsewhere."""
@@ -104,6 +108,7 @@ class Example:
     max_tokens: int = 64
     # a scripted expert's conversations on the given scenarios, for `--sft-demos` (None: the example has none)
     demonstrations: Callable[[Sequence[Any]], list[Trajectory]] | None = None
+    slow_tools: bool = False  # its rollout's tools wait Policy.tool_seconds (`--tool-seconds`)
 
 
 def common_arguments(example: Example, description: str | None) -> argparse.ArgumentParser:
@@ -119,7 +124,21 @@ def common_arguments(example: Example, description: str | None) -> argparse.Argu
                         "backend's --art-dir, where the learning curve is drawn)")
     parser.add_argument("--held-out", type=int, default=example.held_out, help="held-out scenarios scored")
     parser.add_argument("--max-tokens", type=int, default=example.max_tokens, help="per model call")
+    if example.slow_tools:
+        parser.add_argument("--tool-seconds", type=float, default=0.0, help="each tool call answers after this many "
+                            "seconds, as a web API or a database would (the rollout waits; others decode meanwhile)")
+    parser.add_argument("--judge-seconds", type=float, default=0.0, help="each rollout waits this many seconds for "
+                        "its score after it ends, as on a hosted judge")
     return parser
+
+
+def checked_waits(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, float]:
+    """--tool-seconds and --judge-seconds as Policy's fields."""
+    waits = {"tool_seconds": getattr(args, "tool_seconds", 0.0), "judge_seconds": args.judge_seconds}
+    for name, seconds in waits.items():
+        if not seconds >= 0:
+            parser.error(f"--{name.replace('_', '-')} {seconds}: a wait is 0 seconds or more")
+    return waits
 
 
 def open_backend(args: argparse.Namespace) -> Backend:
@@ -132,9 +151,17 @@ def open_backend(args: argparse.Namespace) -> Backend:
     return RemoteBackend(args.backend_url, api_key=args.backend_api_key)
 
 
+async def run_rollout(example: Example, policy: Policy, scenario: Scenario) -> Trajectory:
+    """The example's rollout, then its judge's wait (`--judge-seconds`)."""
+    trajectory = await example.rollout(policy, scenario)
+    if policy.judge_seconds:
+        await asyncio.sleep(policy.judge_seconds)
+    return trajectory
+
+
 async def score_scenarios(example: Example, policy: Policy, scenarios: Sequence[Scenario]) -> list[Trajectory]:
     """One rollout per scenario, all at once (the backend batches them)."""
-    return list(await asyncio.gather(*(example.rollout(policy, s) for s in scenarios)))
+    return list(await asyncio.gather(*(run_rollout(example, policy, s) for s in scenarios)))
 
 
 def rollout_seed(run_seed: int, step: int, scenario: int, rollout: int) -> int:
@@ -147,8 +174,8 @@ def seeded_rollouts(example: Example, policy: Policy, scenario: Scenario, run_se
                     ) -> Callable[[], Awaitable[Trajectory]]:
     """What `trajectory_group` calls once per rollout: the n-th call samples with its own seed."""
     count = itertools.count()
-    return lambda: example.rollout(
-        replace(policy, seed=rollout_seed(run_seed, step, index, next(count))), scenario)
+    return lambda: run_rollout(example, replace(policy, seed=rollout_seed(run_seed, step, index, next(count))),
+                               scenario)
 
 
 def mean_metric(trajectories: Sequence[Trajectory], metric: str) -> float:
@@ -160,14 +187,14 @@ def mean_metric(trajectories: Sequence[Trajectory], metric: str) -> float:
 
 
 async def held_out_score(example: Example, model: TrainableModel, step: int, held_out: Sequence[Scenario],
-                         max_tokens: int, label: str) -> float:
+                         args: argparse.Namespace, label: str) -> float:
     """The held-out score at `step` (greedy), from the history if this run already measured it."""
     for record in await model.history():
         if record["split"] == "val" and record["step"] == step:
             print(f"{label} held-out score (step {step}, from history): {record['reward/mean']:.3f}")
             return float(record["reward/mean"])
     policy = Policy(f"{model.backend.base_url}/v1", model.get_inference_name(step), temperature=0,
-                    max_tokens=max_tokens)
+                    max_tokens=args.max_tokens, **args.waits)
     trajectories = await score_scenarios(example, policy, held_out)
     await model.log([TrajectoryGroup(trajectories=trajectories)], split="val")
     score = statistics.fmean(t.reward for t in trajectories)
@@ -202,7 +229,10 @@ def plot_history(history: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(figure)
 
 
-def ruler_after_each(backend: Backend, args: argparse.Namespace) -> Callable[[TrajectoryGroup], Awaitable[Any]]:
+AfterEach = Callable[[TrajectoryGroup], Awaitable[Any]]  # gather_trajectory_groups' after_each
+
+
+def ruler_after_each(backend: Backend, args: argparse.Namespace) -> AfterEach:
     """Score each group with RULER: the judge is --judge-model at --judge-base-url, or the base
     model on the local backend (a 135M judge demonstrates the loop; use a strong one for real)."""
     from art_integrations.rewards import Judge, ruler
@@ -212,7 +242,8 @@ def ruler_after_each(backend: Backend, args: argparse.Namespace) -> Callable[[Tr
     return ruler(judge=judge, swallow_exceptions=True)
 
 
-def step_line(example: Example, step: int, steps: int, metrics: dict[str, Any], groups: int) -> str:
+def step_line(example: Example, step: int, steps: int, metrics: dict[str, Any], groups: int,
+              rollout_seconds: float) -> str:
     def number(key: str, digits: int = 3) -> str:
         value = metrics.get(key)
         return "n/a" if value is None else f"{value:.{digits}f}"
@@ -220,7 +251,7 @@ def step_line(example: Example, step: int, steps: int, metrics: dict[str, Any], 
     parts = "".join(f", {name} {number(f'metrics/{name}', 2)}" for name in example.metrics)
     dropped = f" ({metrics['groups/dropped']} dropped)" if metrics.get("groups/dropped") else ""
     return (f"step {step}/{steps}: reward mean {number('reward/mean')} std {number('reward/std')}{parts}, "
-            f"{number('seconds', 0)} s train on {metrics.get('sequences', 0)} sequences, "
+            f"rollouts {rollout_seconds:.2f} s, {number('seconds', 0)} s train on {metrics.get('sequences', 0)} sequences, "
             f"groups trained {metrics.get('groups/trained', 0)}/{groups}{dropped}, "
             f"policy entropy {number('entropy', 2)}")
 
@@ -246,41 +277,42 @@ async def warm_start(example: Example, model: TrainableModel, args: argparse.Nam
 async def train(example: Example, args: argparse.Namespace) -> None:
     started = time.perf_counter()
     held_out = example.scenarios("val", args.held_out, 0)
-    scenarios = example.scenarios("train", args.steps * args.scenarios_per_step, args.seed)
+    # the pipeline drops a group whose rollouts all scored alike (ART's rule) and takes the next
+    # scenario in its place, so it is given more of them, in the same order
+    scenarios = example.scenarios("train", args.steps * args.scenarios_per_step * (3 if args.pipeline else 1),
+                                  args.seed)
     sft_steps = 1 if args.sft_demos else 0  # the checkpoint the SFT step makes comes before the GRPO steps
     if args.sft_demos and example.demonstrations is None:
         raise SystemExit(f"--sft-demos: the {example.title} example has no demonstrations to start from")
     async with open_backend(args) as backend:
         model = TrainableModel(name=args.name or f"{example.model_prefix}-s{args.seed}", project=example.project)
         await model.register(backend)
-        base = await held_out_score(example, model, 0, held_out, args.max_tokens, "base model")
+        base = await held_out_score(example, model, 0, held_out, args, "base model")
         after_sft = None
         if sft_steps:
             if await model.get_step() == 0:
                 await warm_start(example, model, args)
-            after_sft = await held_out_score(example, model, 1, held_out, args.max_tokens, "after SFT")
+            after_sft = await held_out_score(example, model, 1, held_out, args, "after SFT")
         policy = Policy(f"{backend.base_url}/v1", model.inference_name, temperature=args.temperature,
-                        max_tokens=args.max_tokens)
+                        max_tokens=args.max_tokens, **args.waits)
         after_each = ruler_after_each(backend, args) if args.ruler else None
-        quiet_steps = 0  # steps in a row in which no group had signal
-        for step in range(await model.get_step() - sft_steps, args.steps):
-            batch = scenarios[step * args.scenarios_per_step:(step + 1) * args.scenarios_per_step]
-            groups = await gather_trajectory_groups(
-                [trajectory_group(seeded_rollouts(example, policy, s, args.seed, step, i), n=args.rollouts,
-                                  scenario=s.id)
-                 for i, s in enumerate(batch)],
-                max_exceptions=0.1, after_each=after_each, progress=False)
-            called = time.perf_counter()
-            result = await model.train(groups, TrainConfig(learning_rate=args.learning_rate,
-                                                           temperature=args.temperature,
-                                                           scale_rewards=args.scale_rewards))
-            print(step_line(example, step + 1, args.steps, result.metrics, len(groups) + len(groups.dropped))
-                  + f", train() returned in {time.perf_counter() - called:.2f} s", flush=True)
-            quiet_steps = 0 if result.metrics.get("groups/trained") else quiet_steps + 1
-            if quiet_steps and quiet_steps % 3 == 0:
-                print(no_signal_note(step + 1, quiet_steps), flush=True)
+        config = TrainConfig(learning_rate=args.learning_rate, temperature=args.temperature,
+                             scale_rewards=args.scale_rewards)
+        first_step = await model.get_step() - sft_steps
+        steps_started = time.perf_counter()
+        if args.pipeline:
+            from examples.pipelined import pipelined_steps
+
+            await pipelined_steps(example, args, model, policy, scenarios, after_each, first_step, config)
+        else:
+            await synchronous_steps(example, args, model, policy, scenarios, after_each, first_step, config)
+        steps = await model.get_step() - sft_steps - first_step
+        if steps:
+            seconds = time.perf_counter() - steps_started
+            print(f"training: {steps} steps in {seconds:.1f} s, {60 * steps / seconds:.2f} steps/min "
+                  f"({'pipeline' if args.pipeline else 'synchronous loop'})", flush=True)
         final_step = await model.get_step()
-        trained = await held_out_score(example, model, final_step, held_out, args.max_tokens, "trained policy")
+        trained = await held_out_score(example, model, final_step, held_out, args, "trained policy")
         directory = Path(args.art_dir) / model.project / "models" / model.name
         directory.mkdir(parents=True, exist_ok=True)  # a backend elsewhere keeps its checkpoints there
         plot_history(await model.history(), directory / "learning_curve.png", example.title)
@@ -294,6 +326,27 @@ async def train(example: Example, args: argparse.Namespace) -> None:
     print(f"checkpoints: {directory / 'checkpoints'}")
     print(f"metrics:     {directory / 'history.jsonl'}")
     print(f"plot:        {directory / 'learning_curve.png'}")
+
+
+async def synchronous_steps(example: Example, args: argparse.Namespace, model: TrainableModel, policy: Policy,
+                            scenarios: Sequence[Scenario], after_each: AfterEach | None, first_step: int,
+                            config: TrainConfig) -> None:
+    """Steps `first_step` to `args.steps`, each as ART's loop has it: gather every group, then train."""
+    quiet_steps = 0  # steps in a row in which no group had signal
+    for step in range(first_step, args.steps):
+        batch = scenarios[step * args.scenarios_per_step:(step + 1) * args.scenarios_per_step]
+        started = time.perf_counter()
+        groups = await gather_trajectory_groups(
+            [trajectory_group(seeded_rollouts(example, policy, s, args.seed, step, i), n=args.rollouts, scenario=s.id)
+             for i, s in enumerate(batch)],
+            max_exceptions=0.1, after_each=after_each, progress=False)
+        called = time.perf_counter()
+        result = await model.train(groups, config)
+        print(step_line(example, step + 1, args.steps, result.metrics, len(groups) + len(groups.dropped),
+                        called - started) + f", train() returned in {time.perf_counter() - called:.2f} s", flush=True)
+        quiet_steps = 0 if result.metrics.get("groups/trained") else quiet_steps + 1
+        if quiet_steps and quiet_steps % 3 == 0:
+            print(no_signal_note(step + 1, quiet_steps), flush=True)
 
 
 def peak_resident_gb(who: int) -> float:
@@ -336,48 +389,16 @@ def train_main(example: Example, description: str | None = None) -> None:
                         "(a scripted expert's, where the example has one), then the GRPO steps")
     parser.add_argument("--sft-epochs", type=int, default=2, help="times each demonstration is seen in the SFT step")
     parser.add_argument("--sft-learning-rate", type=float, default=5e-4)
+    parser.add_argument("--pipeline", action="store_true", help="train with ART's PipelineTrainer: the next steps' "
+                        "rollouts run while a step trains (pays when rollouts wait on tools or a judge)")
+    parser.add_argument("--max-steps-off-policy", type=int, default=1, help="with --pipeline: how many steps older "
+                        "than the checkpoint it trains a group's sampler may be")
     args = parser.parse_args()
+    args.waits = checked_waits(parser, args)
+    if args.max_steps_off_policy < 0:
+        parser.error(f"--max-steps-off-policy {args.max_steps_off_policy}: a count of steps, 0 or more")
     if args.sft_demos < 0 or args.sft_epochs < 1:
         parser.error(f"--sft-demos {args.sft_demos} --sft-epochs {args.sft_epochs}: demonstrations are counted from 0 "
                      "(0: no SFT step), epochs from 1")
     asyncio.run(train(example, args))
 
-
-# ---------------------------------------------------------------------------------------------
-# evaluate
-
-
-async def print_scores(example: Example, policies: Sequence[Policy], held_out: int) -> None:
-    scenarios = example.scenarios("val", held_out, 0)
-    columns = ["held-out score", *example.metrics]
-    print(f"{'model':<36} " + " ".join(f"{c:>14}" for c in columns))
-    for policy in policies:
-        trajectories = await score_scenarios(example, policy, scenarios)
-        values = [statistics.fmean(t.reward for t in trajectories),
-                  *(mean_metric(trajectories, m) for m in example.metrics)]
-        print(f"{policy.model:<36} " + " ".join(f"{v:>14.3f}" for v in values), flush=True)
-
-
-async def evaluate(example: Example, args: argparse.Namespace) -> None:
-    if args.base_url:
-        policies = [Policy(args.base_url, name, args.api_key, temperature=0, max_tokens=args.max_tokens,
-                           trainable=False) for name in args.models or []]
-        await print_scores(example, policies, args.held_out)
-        return
-    async with open_backend(args) as backend:
-        model = TrainableModel(name=args.trained or f"{example.model_prefix}-s0", project=example.project)
-        await model.register(backend)
-        names = args.models or [model.base_model, model.get_inference_name(await model.get_step())]
-        policies = [Policy(f"{backend.base_url}/v1", name, temperature=0, max_tokens=args.max_tokens)
-                    for name in names]
-        await print_scores(example, policies, args.held_out)
-
-
-def evaluate_main(example: Example, description: str | None = None) -> None:
-    parser = common_arguments(example, description)
-    parser.add_argument("--base-url", help="any OpenAI-compatible endpoint (…/v1); default: start the local backend")
-    parser.add_argument("--api-key", default="unused")
-    parser.add_argument("--models", nargs="*", default=None, help="served model names to score "
-                        "(default: the base model and the newest checkpoint of --trained)")
-    parser.add_argument("--trained", default=None, help=f"a model trained by train (default {example.model_prefix}-s0)")
-    asyncio.run(evaluate(example, parser.parse_args()))

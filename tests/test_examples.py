@@ -100,15 +100,26 @@ def test_the_city_facts_experts_demonstrations_earn_full_marks_read_back_as_roll
 def test_a_seed_repeats_the_run_token_for_token(tmp_path: Path) -> None:
     # every training rollout sends its own seed (run, step, scenario, rollout); unseeded, two such runs
     # gave step rewards 0.031, 0.081 and 0.062, 0.031
-    def history(run: str) -> list[tuple[str, int, float]]:
-        run_example("examples.city_facts.train", "--model", "tiny-random-smollm2", "--steps", "2",
-                    "--scenarios-per-step", "2", "--rollouts", "4", "--held-out", "2", "--art-dir", str(tmp_path / run))
+    def history(run: str, *options: str) -> list[tuple[str, int, float]]:
+        out = run_example("examples.city_facts.train", "--model", "tiny-random-smollm2", "--steps", "2",
+                          "--scenarios-per-step", "2", "--rollouts", "4", "--held-out", "2",
+                          "--art-dir", str(tmp_path / run), *options)
+        assert "training: 2 steps in" in out and ("(pipeline)" in out) == ("--pipeline" in options)
         lines = (tmp_path / run / "city-facts" / "models" / "city-agent-s0" / "history.jsonl").read_text().splitlines()
         return [(r["split"], r["step"], r["reward/mean"]) for r in map(json.loads, lines)]
 
     first = history("first")
     assert [(split, step) for split, step, _ in first] == [("val", 0), ("train", 1), ("train", 2), ("val", 2)]
     assert history("again") == first
+    # the pipeline, held on-policy, with tools and a judge that wait: every group it trains was sampled
+    # by the checkpoint it trains (a group whose rollouts all scored alike is replaced, ART's rule)
+    pipelined = history("pipelined", "--pipeline", "--max-steps-off-policy", "0", "--tool-seconds", "0.3",
+                        "--judge-seconds", "0.2")
+    assert [(split, step) for split, step, _ in pipelined] == [(split, step) for split, step, _ in first]
+    folder = tmp_path / "pipelined" / "city-facts" / "models" / "city-agent-s0" / "trajectories" / "train"
+    for step in (1, 2):
+        groups = [json.loads(line) for line in (folder / f"{step:04d}.jsonl").read_text().splitlines()]
+        assert len(groups) == 2 and {t["initial_policy_version"] for g in groups for t in g["trajectories"]} == {step - 1}
 
     seeds = {rollout_seed(0, step, scenario, rollout)
              for step in range(8) for scenario in range(3) for rollout in range(4)}
@@ -146,7 +157,7 @@ def test_the_job_says_so_after_three_steps_without_signal(tmp_path: Path, capsys
                               scale_rewards=True, seed=0,
                               name=None, ruler=False, model="tiny-random-smollm2", engine="torch", backend_url=None,
                               art_dir=str(tmp_path), held_out=1, max_tokens=8, sft_demos=0, sft_epochs=2,
-                              sft_learning_rate=5e-4)
+                              sft_learning_rate=5e-4, waits={}, pipeline=False)
     asyncio.run(train(example, args))
     lines = capsys.readouterr().out.splitlines()
     steps = [line for line in lines if line.startswith("step ")]

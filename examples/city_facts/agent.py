@@ -7,10 +7,11 @@ requires a tool call (`tool_choice="required"`); afterwards it answers in words.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Literal
 
 from langchain_core.messages import SystemMessage
-from langchain_core.tools import tool
+from langchain_core.tools import BaseTool, StructuredTool, tool
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
@@ -44,9 +45,21 @@ def get_population(city: City) -> str:
 TOOLS = [get_weather, get_local_time, get_population]
 
 
-def build_agent(llm: Any) -> Any:
-    must_call = llm.bind_tools(TOOLS, tool_choice="required", parallel_tool_calls=False)
-    answer = llm.bind_tools(TOOLS, tool_choice="none")
+def answering_after(lookup: BaseTool, seconds: float) -> BaseTool:
+    """`lookup` as a remote service answers it: after `seconds` (a web API, a database), waited
+    without blocking, so other rollouts decode meanwhile (`--tool-seconds`)."""
+    async def call(**arguments: Any) -> str:
+        await asyncio.sleep(seconds)
+        return lookup.invoke(arguments)
+
+    return StructuredTool.from_function(coroutine=call, name=lookup.name, description=lookup.description,
+                                        args_schema=lookup.args_schema)
+
+
+def build_agent(llm: Any, tool_seconds: float = 0.0) -> Any:
+    tools = [answering_after(t, tool_seconds) for t in TOOLS] if tool_seconds else TOOLS
+    must_call = llm.bind_tools(tools, tool_choice="required", parallel_tool_calls=False)
+    answer = llm.bind_tools(tools, tool_choice="none")
 
     async def call_model(state: MessagesState) -> dict[str, Any]:
         looked_up = any(m.type == "tool" for m in state["messages"])
@@ -55,7 +68,7 @@ def build_agent(llm: Any) -> Any:
 
     graph = StateGraph(MessagesState)
     graph.add_node("agent", call_model)
-    graph.add_node("tools", ToolNode(TOOLS))
+    graph.add_node("tools", ToolNode(tools))
     graph.add_edge(START, "agent")
     graph.add_conditional_edges("agent", tools_condition)
     graph.add_edge("tools", "agent")

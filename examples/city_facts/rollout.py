@@ -10,7 +10,7 @@ from examples.runner import Example, Policy
 
 
 async def rollout(policy: Policy, scenario: Scenario) -> Trajectory:
-    agent = build_agent(policy.langchain())
+    agent = build_agent(policy.langchain(), tool_seconds=policy.tool_seconds)
     async with art_capture(scenario=scenario.id) as trajectory:
         result = await agent.ainvoke({"messages": [("user", scenario.question)]})
     messages = result["messages"]
@@ -30,6 +30,7 @@ EXAMPLE = Example(
     scenarios=scenarios,
     rollout=rollout,
     metrics=("right_tool", "right_city", "has_fact", "plain"),
+    slow_tools=True,  # --tool-seconds: its lookups answer as a remote service would
     demonstrations=demonstrations,  # for `--sft-demos N`: a scripted expert's conversations
     steps=6,  # over seeds 0-9, steps 7 and 8 moved the held-out median +0.550 -> +0.569 (docs/getting-started.md)
     temperature=0.7,

@@ -9,7 +9,7 @@ and the newest checkpoint of --trained. The agent runs greedily, as in train.py'
 """
 
 from examples.email_search.rollout import EXAMPLE
-from examples.runner import evaluate_main
+from examples.evaluation import evaluate_main
 
 if __name__ == "__main__":
     evaluate_main(EXAMPLE, __doc__)

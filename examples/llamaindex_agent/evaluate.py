@@ -8,8 +8,8 @@ Without --base-url it starts the local backend on --art-dir and serves the embed
 and the newest checkpoint of --trained. The agent runs greedily, as in train.py's held-out score.
 """
 
+from examples.evaluation import evaluate_main
 from examples.llamaindex_agent.rollout import EXAMPLE
-from examples.runner import evaluate_main
 
 if __name__ == "__main__":
     evaluate_main(EXAMPLE, __doc__)

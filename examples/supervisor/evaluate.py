@@ -8,7 +8,7 @@ Without --base-url it starts the local backend on --art-dir and serves the embed
 and the newest checkpoint of --trained. Both agents run greedily on the same model.
 """
 
-from examples.runner import evaluate_main
+from examples.evaluation import evaluate_main
 from examples.supervisor.rollout import EXAMPLE
 
 if __name__ == "__main__":

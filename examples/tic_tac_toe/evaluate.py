@@ -10,7 +10,7 @@ score, so each model plays the same held-out games every time. An endpoint must 
 `tool_choice`, since every turn is a forced `make_move` call.
 """
 
-from examples.runner import evaluate_main
+from examples.evaluation import evaluate_main
 from examples.tic_tac_toe.rollout import EXAMPLE
 
 if __name__ == "__main__":

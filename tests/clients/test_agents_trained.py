@@ -148,3 +148,29 @@ async def test_a_pydantic_ai_agent_with_a_sub_agent_is_captured_grouped_and_trai
     trajectories = await captured_grouped_and_trained(model, lambda: triage.run("What time is it?"))
     for trajectory in trajectories:
         assert [len(history.choices()) for history in trajectory.histories()] == [1, 1]
+
+
+async def test_the_pipeline_trains_what_the_newest_openai_sdk_sends_while_rollouts_run(backend_url: str) -> None:
+    """PipelineTrainer through `model.openai_client()`, as ART's scripts call the model, on openai 3.x."""
+    import openai
+
+    from art_integrations.pipeline_trainer import PipelineTrainer
+
+    model = await registered(backend_url, "pipelined")
+
+    async def rollout(model: TrainableModel, scenario: int, config: Any) -> TrajectoryGroup:
+        async def one(reward: float) -> Trajectory:
+            async with art_capture() as trajectory:
+                await model.openai_client().chat.completions.create(
+                    model=model.get_inference_name(), max_tokens=4, messages=[{"role": "user", "content": f"q{scenario}"}])
+            trajectory.reward = reward
+            return trajectory
+
+        return await TrajectoryGroup(one(r) for r in (0.0, 1.0))
+
+    trainer = PipelineTrainer(model, model.backend, rollout, range(6), None, min_batch_size=2, max_batch_size=2,
+                              max_steps=2, max_steps_off_policy=1, train_config=TrainConfig(learning_rate=1e-3))
+    await trainer.train(handle_signals=False)
+    assert int(openai.__version__.split(".")[0]) >= 3 and await model.get_step() == 2
+    trained = [r for r in await model.history() if r["split"] == "train"]
+    assert [r["groups/trained"] for r in trained] == [2, 2] and not trainer.status.dropped
