@@ -217,17 +217,18 @@ def main() -> None:
         parser.error(f"--keep {args.keep} is not empty: name a new folder, so no earlier run resumes")
     job_args = [a for a in args.job_args if a != "--"]
     if args.report is not None:
-        print_tables(read_jobs(args.report), args.judge_seconds)
-        return
-    jobs: list[Job] = []
-    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as scratch:
-        workdir = args.keep or Path(scratch)
-        workdir.mkdir(parents=True, exist_ok=True)
-        for tools in args.tool_seconds:
-            for seed in range(args.seeds):
-                for mode in ("loop", "pipeline"):  # side by side: a noisy machine's drift hits both alike
-                    jobs.append(run_job(mode, tools, args.judge_seconds, seed, args.engine, job_args, workdir))
+        jobs = read_jobs(args.report)
         medians = print_tables(jobs, args.judge_seconds)
+    else:
+        jobs = []
+        with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as scratch:
+            workdir = args.keep or Path(scratch)
+            workdir.mkdir(parents=True, exist_ok=True)
+            for tools in args.tool_seconds:
+                for seed in range(args.seeds):
+                    for mode in ("loop", "pipeline"):  # side by side: a noisy machine's drift hits both alike
+                        jobs.append(run_job(mode, tools, args.judge_seconds, seed, args.engine, job_args, workdir))
+            medians = print_tables(jobs, args.judge_seconds)
     if args.json is not None:
         args.json.write_text(json.dumps({"engine": args.engine, "judge_seconds": args.judge_seconds,
                                          "jobs": [asdict(j) for j in jobs], "medians": medians}, indent=2))
