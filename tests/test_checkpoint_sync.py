@@ -5,6 +5,7 @@ training at the pulled step; a push killed before its manifest leaves the store 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import boto3
@@ -130,3 +131,51 @@ async def test_any_fsspec_url_serves_pulled_steps_and_refuses_damage(tmp_path: P
             await backend.pull_checkpoints(other, store)
         await other.register(backend)
         assert await other.get_step() == 0  # nothing half-pulled is taken for a step
+
+
+async def test_a_backend_with_a_checkpoint_store_pushes_each_step_before_answering_and_resumes_from_it(
+        tmp_path: Path, s3: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the backend's checkpoint_store setting (what RayBackend gives its actor): a node that may vanish
+    monkeypatch.setenv("ART_BACKEND_CHECKPOINT_STORE", f"s3://{BUCKET}/mirror")
+    where = "mirror/demo/models/agent/"
+    async with tiny_backend(tmp_path / "first") as backend:
+        model = TrainableModel(name="agent", project="demo")
+        await model.register(backend)
+        assert await _train_step(model, "a") == 1
+        assert "checkpoints/0001/adapter_model.safetensors" in _keys(s3, where)  # there once acknowledged
+        await model.log([await scored_group(model, "val", [0.2, 0.4])], split="val")
+        assert "trajectories/val/0001.jsonl" in _keys(s3, where)
+    async with tiny_backend(tmp_path / "second") as backend:  # a fresh node: registering pulls what it lacks
+        model = TrainableModel(name="agent", project="demo")
+        await model.register(backend)
+        assert await model.get_step() == 1
+        assert [(r["step"], r["split"]) for r in await model.history()] == [(1, "train"), (1, "val")]
+        assert await _train_step(model, "b") == 2
+        await model.log([await scored_group(model, "val", [0.9, 1.0])], split="val")  # the best: step 1 goes
+        deleted = await model.delete_checkpoints()  # deletions reach the store too, or a restart would pull them back
+    assert deleted == {"deleted": [1], "kept": [2]}
+    stored = _keys(s3, where)
+    assert "checkpoints/0002/optimizer.pt" in stored and not any(k.startswith("checkpoints/0001/") for k in stored)
+
+    # a store that does not answer: a model is not registered from a store it cannot read
+    monkeypatch.setenv("ART_BACKEND_CHECKPOINT_STORE_OPTIONS", '{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}')
+    async with tiny_backend(tmp_path / "third") as backend:
+        with pytest.raises(BackendError, match=r"\(502\).*failed: .*Check the URL"):
+            await TrainableModel(name="agent", project="demo").register(backend)
+
+
+async def test_a_step_the_checkpoint_store_refuses_is_served_but_not_called_safe(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    store = tmp_path / "store"
+    monkeypatch.setenv("ART_BACKEND_CHECKPOINT_STORE", store.as_uri())
+    async with tiny_backend(tmp_path / "node") as backend:
+        model = TrainableModel(name="agent", project="demo")
+        await model.register(backend)
+        assert await _train_step(model, "a") == 1
+        checkpoints = store / "demo" / "models" / "agent" / "checkpoints"
+        shutil.rmtree(checkpoints)
+        checkpoints.write_text("not a folder")  # every later checkpoint upload fails
+        with pytest.raises(BackendError, match=r"\(502\): Step 2 of demo/agent is committed on this node but not in "
+                                               r"the checkpoint store, so it would not outlive the node"):
+            await _train_step(model, "b")
+        assert await model.get_step() == 2  # committed and served here, as the error says

@@ -11,6 +11,7 @@ from art_backend.config import BackendSettings
 from art_backend.engine.base import Engine
 from art_backend.model_store import resolve_model_dir, served_names
 from art_backend.server import create_app
+from art_backend.training.mirror import StoreMirror
 from art_backend.training.service import OneTrainer, TrainingService
 
 logger = logging.getLogger(__name__)
@@ -73,9 +74,11 @@ def build_engine(settings: BackendSettings, trainer: OneTrainer | None = None) -
 
 def build_app(settings: BackendSettings) -> FastAPI:
     trainer = OneTrainer()
+    mirror = (StoreMirror(settings.checkpoint_store, settings.checkpoint_store_options)
+              if settings.checkpoint_store else None)
     engine = build_engine(settings, trainer)
     return create_app(engine, api_key=settings.api_key, close_engine_on_shutdown=True,
-                      training=TrainingService(engine, settings.art_dir, settings.cache_dir, trainer),
+                      training=TrainingService(engine, settings.art_dir, settings.cache_dir, trainer, mirror),
                       max_request_bytes=settings.max_request_bytes,
                       token_records_bytes=settings.token_records_bytes, continuations_bytes=settings.continuations_bytes,
                       tool_call_parser=settings.tool_call_parser, reasoning_parser=settings.reasoning_parser)

@@ -99,6 +99,12 @@ def serve(
     reasoning_parser: Annotated[Optional[str], typer.Option(
         help="Reasoning markup, as vLLM names it: qwen3 or deepseek_r1 (default: read from the chat template). "
              "Env: ART_BACKEND_REASONING_PARSER.")] = None,
+    checkpoint_store: Annotated[Optional[str], typer.Option(
+        help="fsspec URL (s3://bucket/prefix, file:///shared/path): every step and logged score is pushed there "
+             "before it is acknowledged, and a registering model pulls what is missing here first (a node that may "
+             "vanish). Env: ART_BACKEND_CHECKPOINT_STORE.")] = None,
+    checkpoint_store_options: Annotated[Optional[str], typer.Option(
+        help="fsspec storage options for --checkpoint-store, as JSON.")] = None,
 ) -> None:
     """Serve the model on HTTP until interrupted."""
     if dtype not in (None, "float32", "bfloat16"):
@@ -112,7 +118,8 @@ def serve(
         "kv_cache_memory_bytes": kv_cache_memory_bytes, "max_loras": max_loras, "max_cpu_loras": max_cpu_loras,
         "max_lora_rank": max_lora_rank, "tensor_parallel_size": tensor_parallel_size,
         "data_parallel_size": data_parallel_size, "tool_call_parser": tool_call_parser,
-        "reasoning_parser": reasoning_parser,
+        "reasoning_parser": reasoning_parser, "checkpoint_store": checkpoint_store,
+        "checkpoint_store_options": _json_object(checkpoint_store_options, "--checkpoint-store-options"),
         "vllm_engine_args": _json_object(vllm_engine_args, "--vllm-engine-args")}.items() if v is not None}
     try:
         settings = BackendSettings(**overrides)

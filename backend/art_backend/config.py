@@ -61,6 +61,14 @@ class BackendSettings(BaseSettings):
     art_dir: Path = Field(
         default=Path(".art"), description="Where trained models live: <art_dir>/<project>/models/<name>/."
     )
+    checkpoint_store: str | None = Field(
+        default=None, description="An fsspec URL (s3://bucket/prefix, gs://bucket/prefix, file:///shared/path): "
+        "every committed step and logged score is pushed there before the request is answered, and a model "
+        "registering first pulls what the art dir lacks from there. For a backend on a node that may vanish "
+        "(RayBackend). The credentials are this machine's (for s3:// its AWS_* variables or its role).")
+    checkpoint_store_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec storage options for checkpoint_store, as JSON "
+        '(e.g. {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}).')
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: Literal["debug", "info", "warning", "error"] = Field(

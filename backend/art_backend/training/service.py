@@ -27,6 +27,7 @@ from art_backend.errors import BaseModelMismatchError, DamagedCheckpointError, T
 from art_backend.kill_points import kill_point
 from art_backend.training import sync
 from art_backend.training.checkpoints import ModelFiles, checkpoint_problem
+from art_backend.training.mirror import StoreMirror
 from art_backend.training.sft import Renderer, SFTRequestError, plan_sft
 from art_backend.training.grpo import grpo_step, step_sequences
 from art_backend.training.tokenize import TokenizeStats, TrainSequence
@@ -90,9 +91,11 @@ def _add_client_metrics(metrics: dict[str, Any], client_metrics: dict[str, float
 
 class TrainingService:
     def __init__(self, engine: Engine, art_dir: Path, cache_dir: Path | None = None,
-                 trainer: OneTrainer | None = None) -> None:
-        """`trainer`: one the engine has already loaded (vLLM on a GPU loads it before sizing its memory)."""
+                 trainer: OneTrainer | None = None, mirror: StoreMirror | None = None) -> None:
+        """`trainer`: one the engine has already loaded (vLLM on a GPU loads it before sizing its memory).
+        `mirror`: the checkpoint store every acknowledged change is pushed to (mirror.py)."""
         self.engine = engine
+        self.mirror = mirror
         self.trainer = trainer or OneTrainer()
         self.art_dir = Path(art_dir)
         self.cache_dir = cache_dir or default_cache_dir()  # llama.cpp's sources and tools, for GGUF exports
@@ -134,6 +137,8 @@ class TrainingService:
         elsewhere): its `log()` records go to its own history; nothing is served or trained."""
         directory = self._model_directory(project, name)
         model = ModelFiles(project, name, LoraConfig(), directory, trainable=False)
+        if self.mirror is not None:
+            await self.mirror.restore(model)
         if model.steps():
             raise TrainingRequestError(f"{project}/{name} has trained checkpoints: register it as a TrainableModel, "
                                        "or score the prompted model under another name.")
@@ -156,6 +161,8 @@ class TrainingService:
                 f"{base_model}`, or LocalBackend(model={base_model!r})), or register with base_model={served!r}.")
         directory = self._model_directory(project, name)
         async with self._locks[name]:
+            if self.mirror is not None:  # first what the store holds: a fresh node resumes where it says
+                await self.mirror.restore(ModelFiles(project, name, LoraConfig(), directory))
             model = ModelFiles(project, name, self._checked_lora(self._stored_lora(project, name) or lora), directory)
             self._save_description(model)
             await asyncio.to_thread(model.recover)
@@ -314,6 +321,8 @@ class TrainingService:
         kill_point("step_published")
         for served in (f"{model.name}@{step}", model.name):
             await self.engine.load_adapter(served, model.checkpoint(step))
+        if self.mirror is not None:  # acknowledged once it would outlive this node
+            await self.mirror.save(model, f"Step {step}")
         return {"step": step, "metrics": metrics}
 
     def _prepare(self, groups: list[TrajectoryGroup], config: TrainConfig) -> tuple[list[TrainSequence], dict[str, Any]]:
@@ -342,6 +351,9 @@ class TrainingService:
         _add_client_metrics(metrics, client_metrics, "The split records")
         record = {"step": step, "split": split, "time": time.time(), **metrics}
         await asyncio.to_thread(model.record, record, split, groups)
+        if self.mirror is not None:
+            async with self._locks[name]:
+                await self.mirror.save(model, f"The {split} scores of step {step}")
         return {"step": step, "metrics": metrics}
 
     # ----- export -------------------------------------------------------------------------
@@ -400,4 +412,6 @@ class TrainingService:
             for step in deleted:
                 await self.engine.remove_adapter(f"{name}@{step}")
                 await asyncio.to_thread(model.delete, step)
+            if self.mirror is not None and deleted:  # else a backend started again would pull them back
+                await self.mirror.save(model, f"Deleting steps {deleted}", delete=True)
         return {"deleted": deleted, "kept": sorted(keep & set(steps))}
