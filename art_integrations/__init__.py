@@ -34,12 +34,14 @@ if TYPE_CHECKING:
     from art_integrations.backend import Backend, BackendError, LocalBackend, RemoteBackend
     from art_integrations.model import Model, TrainableModel
     from art_integrations.pipeline_trainer import PipelineAutotuneConfig, PipelineRuntimeConfig
+    from art_integrations.ray_backend import RayBackend
 
 # The backend clients load the openai SDK (~1 s): imported on first use (PEP 562), so that a process
 # needing only the data types above (the backend itself: trajectories, train configs) goes without.
 _ON_FIRST_USE = {
     **dict.fromkeys(["Backend", "BackendError", "LocalBackend", "RemoteBackend"], "art_integrations.backend"),
     **dict.fromkeys(["Model", "TrainableModel"], "art_integrations.model"),
+    "RayBackend": "art_integrations.ray_backend",  # the backend as a Ray actor on a GPU node
     # ART 0.5.23's top-level names of its pipeline (art_integrations.pipeline_trainer)
     **dict.fromkeys(["PipelineAutotuneConfig", "PipelineRuntimeConfig"], "art_integrations.pipeline_trainer"),
 }
@@ -58,6 +60,7 @@ __all__ = [
     "Model",
     "PipelineAutotuneConfig",
     "PipelineRuntimeConfig",
+    "RayBackend",
     "RayRollouts",
     "RemoteBackend",
     "TrainConfig",

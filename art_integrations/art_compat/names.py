@@ -14,7 +14,8 @@ PACKAGE_NAMES: dict[str, str] = {
     "capture_auto_trajectory": "`async with art_capture() as trajectory:` around the rollout",
     "yield_trajectory": "return the Trajectory from the rollout",
     "capture_yielded_trajectory": "return the Trajectory from the rollout",
-    "ServerlessBackend": "RemoteBackend(url, api_key=...) reaches an art-backend anywhere",
+    "ServerlessBackend": "RemoteBackend(url, api_key=...) reaches an art-backend anywhere; RayBackend(num_gpus=1, "
+                         "checkpoint_store=...) starts one on a GPU node of a Ray cluster",
     "trajectory_group_batches": "iterate_dataset(...) batches scenarios into steps",
     # ART 0.5.23's
     "LocalTrainResult": "model.train() and backend.train() return TrainResult (step, metrics); checkpoints are "
