@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,6 +86,24 @@ async def test_the_backend_lands_on_the_gpu_node_and_a_killed_actor_resumes_from
     finally:
         await backend.close()
     assert ray.util.list_named_actors(all_namespaces=True) == []  # stopped, nothing left behind
+
+
+def test_a_script_that_exits_without_close_leaves_no_backend_behind(cluster: tuple[Cluster, str], tmp_path: Path) -> None:
+    started, _ = cluster
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import ray\n"
+        "from art_integrations import RayBackend\n"
+        f"ray.init(address={started.address!r})\n"
+        f"backend = RayBackend(checkpoint_store={(tmp_path / 'store').as_uri()!r}, model='tiny-random-smollm2', "
+        "engine='torch', actor_name='left-open')\n"
+        "print(backend.where()['node_id'])\n")  # and exits: no close()
+    subprocess.run([sys.executable, str(script)], check=True, timeout=300, capture_output=True,
+                   env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+    deadline = time.monotonic() + 30
+    while ray.util.list_named_actors(all_namespaces=True) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.util.list_named_actors(all_namespaces=True) == []  # Ray removed the actor its driver owned
 
 
 def test_a_cluster_without_the_resource_is_refused_with_what_it_has(cluster: tuple[Cluster, str]) -> None:
