@@ -7,14 +7,11 @@ one it trains."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from art_integrations import TrainableModel, TrainConfig, TrajectoryGroup
 from art_integrations.pipeline_trainer import PipelineTrainer
-from examples.runner import Example, Policy, Scenario, seeded_rollouts
-
-AfterEach = Callable[[TrajectoryGroup], Awaitable[Any]]
+from examples.runner import AfterEach, Example, Policy, Scenario, seeded_rollouts
 
 
 async def pipelined_steps(example: Example, args: argparse.Namespace, model: TrainableModel, policy: Policy,
