@@ -13,7 +13,10 @@ one (`-- --sft-demos N`), trained, gain, the job's minutes as it reports them: o
 starting the backend, on vLLM not; and the job process's peak resident memory: on torch the whole
 job with its backend, on vLLM the job without it) and a summary per engine: the smallest and median
 gain, and how many seeds reached `--target`. With both engines, each seed's vLLM gain minus
-its torch gain.
+its torch gain. Beside each gain (and, after an SFT step, what the GRPO steps added to it) stands
+its paired standard error over the held-out scenarios (the per-scenario differences' standard
+deviation over the square root of their count, from the job's recorded held-out trajectories):
+a difference within about two of them is one these held-out scenarios cannot tell from noise.
 
     .venv/bin/python benchmarks/bench_learning.py [--example city_facts] [--seeds 10] [--engines torch,vllm]
         [-- extra arguments for the job, e.g. --steps 6]
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import math
 import os
 import re
 import statistics
@@ -51,10 +56,35 @@ class Run:
     minutes: float
     peak_gb: float
     after_sft: float | None = None  # the held-out score after the job's SFT step (`-- --sft-demos N`)
+    gain_se: float | None = None  # paired standard errors over the held-out scenarios (`paired_standard_error`)
+    grpo_added_se: float | None = None
 
     @property
     def gain(self) -> float:
         return round(self.trained - self.base, 3)  # to the job's printed places: 0.950 - 0.375 is not 0.575 in floats
+
+    @property
+    def grpo_added(self) -> float | None:
+        return None if self.after_sft is None else round(self.trained - self.after_sft, 3)
+
+
+def held_out_rewards(art_dir: Path) -> list[dict[str, float]]:
+    """Each held-out evaluation the job recorded, in step order: scenario id -> reward."""
+    evaluations = []
+    for path in sorted(art_dir.glob("*/models/*/trajectories/val/*.jsonl")):
+        rewards = {}
+        for line in path.read_text().splitlines():
+            for trajectory in json.loads(line)["trajectories"]:
+                rewards[trajectory["metadata"]["scenario"]] = trajectory["reward"]
+        evaluations.append(rewards)
+    return evaluations
+
+
+def paired_standard_error(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """The standard error of mean(after) - mean(before) over the scenarios both scored: the
+    per-scenario differences' sample standard deviation over the square root of their count."""
+    differences = [after[s] - before[s] for s in before.keys() & after.keys()]
+    return statistics.stdev(differences) / math.sqrt(len(differences)) if len(differences) > 1 else None
 
 
 def wait_until_serving(url: str, server: subprocess.Popen[bytes], log: Path, timeout: float = 900) -> None:
@@ -106,22 +136,33 @@ def run_job(example: str, seed: int, engine: str, job_args: list[str], vllm_pyth
     if process.returncode != 0 or match is None:
         tail = "\n".join(lines[-60:])
         raise SystemExit(f"seed {seed} on the {engine} engine failed (exit {process.returncode}):\n{tail}")
+    evaluations = held_out_rewards(art_dir)  # base, after the SFT step where there is one, trained
+    sft_evaluation = evaluations[1] if match["sft"] is not None and len(evaluations) > 2 else None
     run = Run(seed, engine, float(match["base"]), float(match["trained"]), float(match["minutes"]),
-              float(match["peak"]), None if match["sft"] is None else float(match["sft"]))
+              float(match["peak"]), None if match["sft"] is None else float(match["sft"]),
+              gain_se=paired_standard_error(evaluations[0], evaluations[-1]) if len(evaluations) > 1 else None,
+              grpo_added_se=None if sft_evaluation is None else paired_standard_error(sft_evaluation, evaluations[-1]))
     sft = "" if run.after_sft is None else f"{run.after_sft:.3f} (SFT) -> "
-    print(f"  held-out {run.base:.3f} -> {sft}{run.trained:.3f} ({run.gain:+.3f}) in {run.minutes:.1f} min, "
-          f"peak {run.peak_gb:.2f} GB", flush=True)
+    print(f"  held-out {run.base:.3f} -> {sft}{run.trained:.3f} ({run.gain:+.3f}{plus_minus(run.gain_se)}) in "
+          f"{run.minutes:.1f} min, peak {run.peak_gb:.2f} GB", flush=True)
     return run
 
 
+def plus_minus(standard_error: float | None) -> str:
+    return "" if standard_error is None else f" ±{standard_error:.3f}"
+
+
 def print_table(runs: list[Run], engines: list[str], target: float) -> None:
-    sft = any(r.after_sft is not None for r in runs)  # a column for the held-out score after the SFT step
+    sft = any(r.after_sft is not None for r in runs)  # columns for the score after the SFT step and GRPO's part
     print(f"\n{'seed':>4} {'engine':>7} {'base':>6}" + (f" {'after SFT':>9}" if sft else "")
-          + f" {'trained':>8} {'gain':>7} {'minutes':>8} {'peak GB':>8}")
+          + f" {'trained':>8} {'gain ±se':>14}" + (f" {'GRPO added ±se':>14}" if sft else "")
+          + f" {'minutes':>8} {'peak GB':>8}")
     for run in runs:
         after_sft = "" if not sft else f" {'-' if run.after_sft is None else f'{run.after_sft:.3f}':>9}"
-        print(f"{run.seed:>4} {run.engine:>7} {run.base:>6.3f}{after_sft} {run.trained:>8.3f} {run.gain:>+7.3f} "
-              f"{run.minutes:>8.1f} {run.peak_gb:>8.2f}")
+        added = "" if not sft else (f" {'-':>14}" if run.grpo_added is None
+                                    else f" {f'{run.grpo_added:+.3f}{plus_minus(run.grpo_added_se)}':>14}")
+        print(f"{run.seed:>4} {run.engine:>7} {run.base:>6.3f}{after_sft} {run.trained:>8.3f} "
+              f"{f'{run.gain:+.3f}{plus_minus(run.gain_se)}':>14}{added} {run.minutes:>8.1f} {run.peak_gb:>8.2f}")
     print(f"\n{'engine':>7} {'seeds':>5} {'min gain':>9} {'median gain':>12} {f'gain >= {target:+.2f}':>14} "
           f"{'median min':>11}")
     for engine in engines:
@@ -129,6 +170,10 @@ def print_table(runs: list[Run], engines: list[str], target: float) -> None:
         minutes = [r.minutes for r in runs if r.engine == engine]
         print(f"{engine:>7} {len(gains):>5} {min(gains):>+9.3f} {statistics.median(gains):>+12.3f} "
               f"{sum(g >= target for g in gains):>11}/{len(gains):<2} {statistics.median(minutes):>11.1f}")
+        added = [r.grpo_added for r in runs if r.engine == engine and r.grpo_added is not None]
+        if added:
+            print(f"{'':>7} GRPO added to what SFT reached on {sum(a > 0 for a in added)}/{len(added)} seeds "
+                  f"(least {min(added):+.3f})")
     if set(engines) == {"torch", "vllm"}:
         by_seed = {(r.seed, r.engine): r.gain for r in runs}
         seeds = sorted({r.seed for r in runs})
