@@ -270,7 +270,8 @@ class LocalBackend(Backend):
             raise BackendError(
                 f"LocalBackend starts the art-backend package, which {sys.executable} lacks: install it with "
                 "`pip install -e ./backend` (or `make setup`), or connect to a running one with RemoteBackend(url).")
-        command = [sys.executable, "-m", "art_backend", "serve", "--port", str(port), "--art-dir", str(art_dir)]
+        command = [sys.executable, "-m", "art_backend", "serve", "--port", str(port), "--art-dir", str(art_dir),
+                   "--exit-with-parent"]  # a script killed without running its exit hooks leaves no server behind
         if log_file is None:  # its log shares this process's output: what needs attention only
             command += ["--log-level", "warning"]
         if model:

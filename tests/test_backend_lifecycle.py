@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,6 +112,43 @@ def test_a_script_ending_without_close_exits_cleanly_and_stops_its_server(tmp_pa
     assert "Traceback" not in ran.stderr, ran.stderr[-3000:]
     if where == "child":
         assert not Path(f"/proc/{int(ran.stdout.split()[-1])}").exists()
+
+
+# a script killed where neither close() nor an exit hook can run: SIGKILL (a job scheduler's, the IDE's stop)
+_SCRIPT_KILLED = """
+import os, signal, sys
+from art_integrations import LocalBackend
+
+backend = LocalBackend(model="tiny-random-smollm2", art_dir=sys.argv[1])
+print("server pid", backend.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (reparented, nobody may reap it in a container)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_killed_script_leaves_no_server_behind(tmp_path: Path) -> None:
+    """A LocalBackend's server outlived a script killed by SIGKILL (or by SIGTERM, which runs no
+    exit hook), decoding on for nobody: it now stops once the script is gone."""
+    output = tmp_path / "output.txt"  # not a pipe: a server left behind would hold it open
+    with output.open("wb") as file:
+        ran = subprocess.run([sys.executable, "-c", _SCRIPT_KILLED, str(tmp_path / "art")],
+                             env=checkout_env(ART_BACKEND_CPU_KERNELS="false"), stdout=file, stderr=subprocess.STDOUT,
+                             timeout=120, check=False)
+    assert ran.returncode == -9, output.read_text()[-3000:]
+    server = int(re.search(r"server pid (\d+)", output.read_text())[1])
+    deadline = time.monotonic() + 60
+    while _running(server) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _running(server):
+        os.kill(server, signal.SIGKILL)
+        pytest.fail(f"the server (pid {server}) was still running 60 s after the script that started it was killed")
 
 
 async def test_remote_backend_with_an_api_key(tiny_engine, tmp_path: Path) -> None:

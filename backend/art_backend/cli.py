@@ -105,6 +105,9 @@ def serve(
              "vanish). Env: ART_BACKEND_CHECKPOINT_STORE.")] = None,
     checkpoint_store_options: Annotated[Optional[str], typer.Option(
         help="fsspec storage options for --checkpoint-store, as JSON.")] = None,
+    exit_with_parent: Annotated[bool, typer.Option(
+        help="Stop when the process that started this one exits, killed or not (LocalBackend starts its "
+             "server so).")] = False,
 ) -> None:
     """Serve the model on HTTP until interrupted."""
     if dtype not in (None, "float32", "bfloat16"):
@@ -129,6 +132,10 @@ def serve(
     if settings.tune_process_memory is None:  # this process is the backend's own
         settings.tune_process_memory = True
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if exit_with_parent:  # before the model loads, which can take minutes
+        from art_backend.parent_watch import exit_with_parent as watch_parent
+
+        watch_parent()
 
     import uvicorn
 
