@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import re
@@ -39,6 +38,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from art_integrations.observability.stored import read_groups, stored_files
 from art_integrations.wire import free_loopback_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,14 +70,9 @@ class Run:
 
 def held_out_rewards(art_dir: Path) -> list[dict[str, float]]:
     """Each held-out evaluation the job recorded, in step order: scenario id -> reward."""
-    evaluations = []
-    for path in sorted(art_dir.glob("*/models/*/trajectories/val/*.jsonl")):
-        rewards = {}
-        for line in path.read_text().splitlines():
-            for trajectory in json.loads(line)["trajectories"]:
-                rewards[trajectory["metadata"]["scenario"]] = trajectory["reward"]
-        evaluations.append(rewards)
-    return evaluations
+    (model,) = art_dir.glob("*/models/*")  # a job trains one model, in an art dir of its own
+    return [{t.metadata["scenario"]: t.reward for group in read_groups(stored.path) for t in group.trajectories}
+            for stored in stored_files(art_dir, model.parent.parent.name, model.name, "val")]
 
 
 def paired_standard_error(before: dict[str, float], after: dict[str, float]) -> float | None:
