@@ -19,7 +19,12 @@ class TrainConfig(StrictModel):
     loss: Literal["cispo", "ppo"] = "cispo"
     epsilon: float | None = Field(default=None, ge=0, description="Lower clip; default 1.0 (CISPO), 0.2 (PPO).")
     epsilon_high: float | None = Field(default=None, ge=0, description="Upper clip; default 4.0 (CISPO), epsilon (PPO).")
-    beta: float = Field(default=0.0, ge=0, description="KL coefficient to the base model (adapter off).")
+    beta: float = Field(default=0.0, ge=0, description="KL coefficient to the reference policy: the base model "
+                        "(adapter off), or the checkpoint `kl_reference_step` names.")
+    kl_reference_step: int | None = Field(
+        default=None, ge=1, description="With beta: the model's own checkpoint the KL is measured against, e.g. its "
+        "SFT step, so GRPO stays near what the demonstrations taught (TRL's reference is the model training starts "
+        "from; ART's kl_penalty_reference_step). None: the base model.")
     scale_rewards: bool = Field(default=True, description="Divide advantages by the group's reward std.")
     max_grad_norm: float = Field(default=1.0, gt=0)
     temperature: float = Field(default=1.0, gt=0, description="The temperature rollouts were sampled at.")
@@ -34,6 +39,13 @@ class TrainConfig(StrictModel):
         default="token", description="ART's: the importance ratio of each token (token), of its whole sequence, the "
         "geometric mean of the tokens' ratios (sequence, GSPO's), or the arithmetic or geometric mean of the two "
         "(average, geometric_average); docs/training/grpo.md.")
+
+    @model_validator(mode="after")
+    def _reference_with_beta(self) -> TrainConfig:
+        if self.kl_reference_step is not None and not self.beta:
+            raise ValueError(f"kl_reference_step={self.kl_reference_step} names the KL term's reference, and the KL "
+                             "term is off (beta=0): pass beta > 0 with it (e.g. beta=0.1), or leave it out")
+        return self
 
     @model_validator(mode="after")
     def _level_with_loss(self) -> TrainConfig:

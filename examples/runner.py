@@ -296,8 +296,10 @@ async def train(example: Example, args: argparse.Namespace) -> None:
         policy = Policy(f"{backend.base_url}/v1", model.inference_name, temperature=args.temperature,
                         max_tokens=args.max_tokens, **args.waits)
         after_each = ruler_after_each(backend, args) if args.ruler else None
+        # the KL's reference is the policy GRPO starts from, as TRL's is: the SFT checkpoint where there is one
         config = TrainConfig(learning_rate=args.learning_rate, temperature=args.temperature,
-                             scale_rewards=args.scale_rewards)
+                             scale_rewards=args.scale_rewards, beta=args.beta,
+                             kl_reference_step=sft_steps if args.beta and sft_steps else None)
         first_step = await model.get_step() - sft_steps
         steps_started = time.perf_counter()
         if args.pipeline:
@@ -375,6 +377,8 @@ def train_main(example: Example, description: str | None = None) -> None:
     parser.add_argument("--learning-rate", type=float, default=example.learning_rate)
     parser.add_argument("--temperature", type=float, default=example.temperature,
                         help="sampling temperature of training rollouts")
+    parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient of the GRPO steps: toward the SFT "
+                        "checkpoint with --sft-demos, else toward the base model (0: no KL term)")
     parser.add_argument("--scale-rewards", action=argparse.BooleanOptionalAction, default=example.scale_rewards,
                         help="divide each group's advantages by its reward std (--no-scale-rewards: reward minus "
                         "the group's mean, so a group's weight grows with how far its rewards differ)")
@@ -395,6 +399,8 @@ def train_main(example: Example, description: str | None = None) -> None:
                         "than the checkpoint it trains a group's sampler may be")
     args = parser.parse_args()
     args.waits = checked_waits(parser, args)
+    if args.beta < 0:
+        parser.error(f"--beta {args.beta}: a KL coefficient, 0 (off) or more")
     if args.max_steps_off_policy < 0:
         parser.error(f"--max-steps-off-policy {args.max_steps_off_policy}: a count of steps, 0 or more")
     if args.sft_demos < 0 or args.sft_epochs < 1:

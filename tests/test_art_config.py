@@ -102,6 +102,9 @@ async def test_a_registered_model_takes_its_internal_config_and_trains_with_unde
         assert result.step == 2
         with pytest.raises(ArtConfigError, match="kl_penalty_coef=0.1 .*beta"):
             await backend.train(model, [group], kl_penalty_coef=0.1)
+        with pytest.raises(ArtConfigError,
+                           match=r"kl_penalty_reference_step=1 .*TrainConfig\(beta=\.\.\., kl_reference_step=N"):
+            await model.train([group], _config={"kl_penalty_reference_step": 1})
 
         other = art.TrainableModel(name="other", project="ports", _internal_config={"engine_args": {"enable_lora": False}})
         with pytest.raises(ArtConfigError, match="enable_lora=False .*always True"):

@@ -67,7 +67,7 @@ _NO_EFFECT = {
     ("_config", "optimizer_save_interval"): "the optimizer state is saved with every step's checkpoint here",
     ("_config", "final_training_step"): "it marks when ART saves the optimizer state, which is saved every step here",
     ("_config", "kl_penalty_source"): "it picks the policy of ART's KL penalty, which is off (kl_penalty_coef 0, the "
-    "only value taken here; TrainConfig(beta=...) is the KL term here)",
+    "only value taken here; TrainConfig(beta=..., kl_reference_step=...) is the KL term here)",
     ("_config", "verbose"): "the backend logs each step; its metrics come back in the result",
     ("_config", "truncated_importance_sampling"): "it corrects ART's recomputed old logprobs towards the sampler's "
     "(times min(exp(old - sampler), bound)); here the old logprobs are the sampler's own, never recomputed, so that "
@@ -94,8 +94,11 @@ _REFUSED_WHY = {
     ("engine_args", "served_model_name"): "models are served as `name` and `name@step`",
     ("init_args", "model_name"): "TrainableModel(base_model=...) names the base model",
     ("_config", "ppo"): "ours is TrainConfig(loss=\"ppo\") (or \"cispo\", the default)",
-    ("_config", "kl_penalty_coef"): "the nearest is TrainConfig(beta=...), a KL-to-base term in the loss (ART "
-                                    "adjusts advantages instead)",
+    ("_config", "kl_penalty_coef"): "the nearest is TrainConfig(beta=...), a KL term in the loss toward the base "
+                                    "model, or with kl_reference_step=N toward step N's checkpoint (ART adjusts "
+                                    "advantages instead)",
+    ("_config", "kl_penalty_reference_step"): "ours is TrainConfig(beta=..., kl_reference_step=N): a KL term in the "
+                                              "loss toward step N's checkpoint",
     ("_config", "packed_sequence_length"): "ours is TrainConfig(micro_batch_tokens=...) (groups are always packed)",
     ("_config", "grad_accumulation_sequences"): "ours is TrainConfig(micro_batch_tokens=...), tokens per "
                                                 "forward/backward pass",

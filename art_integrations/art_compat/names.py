@@ -94,7 +94,10 @@ BACKEND_METHODS: dict[str, str] = {
 
 # ART's `TrainConfig` and `backend.train()` settings named differently here, or not here
 TRAIN_CONFIG_FIELDS: dict[str, str] = {
-    "kl_penalty_coef": "the nearest is `beta`, a KL-to-base term in the loss (ART adjusts advantages instead)",
+    "kl_penalty_coef": "the nearest is `beta`, a KL term in the loss toward the base model, or with "
+                       "`kl_reference_step=N` toward step N's checkpoint (ART adjusts advantages instead)",
+    "kl_penalty_reference_step": "ours is `kl_reference_step`, with `beta` > 0: the checkpoint the KL term is "
+                                 "measured against",
     "loss_fn": "ours is `loss` (\"cispo\" or \"ppo\")",
     "normalize_advantages": "ours is `scale_rewards` (divide advantages by the group's reward std)",
     "grad_accumulation_sequences": "ours is `micro_batch_tokens` (tokens per forward/backward pass)",

@@ -52,9 +52,10 @@ NOT_OFFERED: dict[str, tuple[Any, str]] = {
     "adam_params": (None, "the optimizer is AdamW at TrainConfig's learning_rate; its other settings are the trainer's"),
     "grad_accumulation_sequences": (None, "pass train_config=TrainConfig(micro_batch_tokens=...), tokens per "
                                           "forward/backward pass"),
-    "kl_penalty_coef": (0.0, "pass train_config=TrainConfig(beta=...), a KL-to-base term in the loss (ART adjusts "
-                             "advantages instead)"),
-    "kl_penalty_step_lag": (None, "the KL term here (TrainConfig(beta=...)) is to the base model, not a lagged step"),
+    "kl_penalty_coef": (0.0, "pass train_config=TrainConfig(beta=...), a KL term in the loss toward the base model, "
+                             "or with kl_reference_step=N toward step N's checkpoint (ART adjusts advantages instead)"),
+    "kl_penalty_step_lag": (None, "the KL term here (TrainConfig(beta=...)) is toward the base model or a fixed "
+                                  "step's checkpoint (kl_reference_step), not a lagged step"),
     "limit_mean_steps_off_policy": (None, "max_steps_off_policy bounds every group's staleness here"),
     "score_reference_groups_per_step": (None, "ART's dashboard score metrics are not computed here"),
     "score_reference_rollouts_per_group": (None, "ART's dashboard score metrics are not computed here"),

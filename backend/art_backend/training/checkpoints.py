@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_file
 
 from art_backend.durable import append_lines, fsync_directory, fsync_tree, read_json_lines
+from art_backend.errors import TrainingRequestError
 from art_backend.kill_points import kill_point
 from art_integrations.training import LoraConfig
 from art_integrations.trajectory import TrajectoryGroup
@@ -91,6 +92,20 @@ class ModelFiles:
     def checkpoint(self, step: int) -> Path | None:
         """Step `step`'s checkpoint; None for step 0, the base model."""
         return None if step == 0 else self.checkpoints / f"{step:04d}"
+
+    def kl_reference(self, step: int | None) -> Path | None:
+        """The checkpoint a step's KL term is measured against (`TrainConfig.kl_reference_step`; None:
+        the base model); refused if the model does not keep it."""
+        if step is None:
+            return None
+        steps = self.steps()
+        if step not in steps:
+            have = (f"its newest is step {steps[-1]}" if steps and step > steps[-1] else
+                    "it was deleted (delete_checkpoints keeps only some)" if steps else "it has no checkpoint yet")
+            raise TrainingRequestError(f"Nothing was trained: kl_reference_step={step} names a checkpoint {self.name} "
+                                       f"does not have ({have}). Name one it keeps (e.g. the step train_sft returned), "
+                                       "or leave kl_reference_step out to measure the KL against the base model")
+        return self.checkpoints / f"{step:04d}"
 
     def history(self) -> list[dict[str, Any]]:
         return [record for record in read_json_lines(self.history_path) if isinstance(record, dict)]

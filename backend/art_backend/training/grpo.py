@@ -16,7 +16,8 @@ For the groups of a step (each the G trajectories of one scenario, with rewards 
        w_t = (1 / |T_i|) / W          for t in T_i, W = the sum of 1 / |T_i| over every trained token
                                       (the number of trajectories trained, less what truncation cut)
 
-3. The loss (loss.py; CISPO by default, PPO-clip as an option, an optional KL to the base):
+3. The loss (loss.py; CISPO by default, PPO-clip as an option, an optional KL to the base
+   model or to one of the model's own checkpoints):
 
        loss = sum_t w_t * loss_t(ratio_t, A_t)      ratio_t = exp(logp_new_t - logp_rollout_t)
 
@@ -83,14 +84,17 @@ def step_sequences(groups: list[TrajectoryGroup], config: TrainConfig, stats: To
 
 
 def grpo_step(trainer: LoraTrainer, model_name: str, sequences: list[TrainSequence], config: TrainConfig,
-              lora: LoraConfig, resume_from: Path | None, save_to: Path) -> dict[str, float]:
+              lora: LoraConfig, resume_from: Path | None, save_to: Path,
+              kl_reference: Path | None = None) -> dict[str, float]:
     """Steps 3 and 4 on `model_name`'s adapter (continuing from `resume_from` if it is not in
-    memory), the checkpoint written to `save_to`. A step without sequences (no group with signal)
+    memory), the checkpoint written to `save_to`; `kl_reference`: the checkpoint the KL term is
+    measured against (None: the base model). A step without sequences (no group with signal)
     leaves the adapter and optimizer as they were, and still writes its checkpoint."""
     started = time.perf_counter()
     metrics: dict[str, float] = {}
     with trainer.updating(model_name, lora, resume_from, save_to, config.gradient_checkpointing) as update:
         if sequences:
-            metrics = trainer.accumulate_gradients(sequences, config)  # step 3 (divides by W)
+            # step 3 (divides by W)
+            metrics = trainer.accumulate_gradients(sequences, config, kl_reference=kl_reference)
             metrics["grad_norm"] = update.step(config.learning_rate, config.max_grad_norm)  # step 4
     return {**metrics, "train_seconds": time.perf_counter() - started}

@@ -250,6 +250,7 @@ class TrainingService:
         async with self._locks[name]:
             kill_point("step_started")
             started = time.perf_counter()
+            reference = model.kl_reference(config.kl_reference_step)
             sequences, metrics = self._prepare(groups, config)
             if dropped:
                 metrics["groups/dropped"] = len(dropped)
@@ -262,7 +263,7 @@ class TrainingService:
 
             async def run(resume_from: Path | None, save_to: Path) -> dict[str, float]:
                 return await self.engine.run_training(lambda: grpo_step(
-                    self.trainer(self.engine), name, sequences, config, model.lora, resume_from, save_to))
+                    self.trainer(self.engine), name, sequences, config, model.lora, resume_from, save_to, reference))
 
             return await self._commit_step(model, run, metrics, groups, started, {
                 "trained": bool(sequences), "learning_rate": config.learning_rate,

@@ -11,6 +11,7 @@ so a restarted backend continues exactly where it stopped. The training service 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import logging
@@ -18,6 +19,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +122,7 @@ class LoraTrainer:
         self.peft: PeftModel | None = None
         self.keys: dict[str, str] = {}  # trained model name -> its peft adapter's name
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.references: dict[str, Path] = {}  # a KL reference's peft adapter -> the checkpoint loaded into it
         self.device = next(model.parameters()).device
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         self.head = output_head(model)
@@ -205,12 +208,14 @@ class LoraTrainer:
                 "grad_norm": sum(norms) / len(norms), "train_seconds": time.perf_counter() - started}
 
     def accumulate_gradients(self, sequences: list[TrainSequence], config: TrainConfig,
-                             losses: LossConfig | None = None) -> dict[str, float]:
+                             losses: LossConfig | None = None, kl_reference: Path | None = None) -> dict[str, float]:
         """The step's loss over `sequences` (each of its parts summed) and its gradients on the
         active adapter, forward by forward: prefix-tree rows with packing, else padded rows.
-        `losses`: the loss to take (SFT's), if not the one `config` names."""
+        `losses`: the loss to take (SFT's), if not the one `config` names; `kl_reference`: the
+        checkpoint the KL term is measured against (None: the base model)."""
         assert self.peft is not None
         losses = losses or loss_config(config)
+        reference = self._reference_policy(kl_reference)
         # each token's weight becomes its share of the step's loss, here once for every micro-batch
         total_weight = sum(s.weight * sum(s.assistant_mask) for s in sequences)
         sequences = [dataclasses.replace(s, weight=s.weight / total_weight) for s in sequences]
@@ -219,9 +224,9 @@ class LoraTrainer:
                    else padded_batches(sequences, len, config.micro_batch_tokens))
         for batch in batches:
             if isinstance(batch, PackedBatch):
-                terms, entropy = self._packed_backward(batch, config, losses)
+                terms, entropy = self._packed_backward(batch, config, losses, reference)
             else:
-                terms, entropy = self._backward(batch, config, losses)
+                terms, entropy = self._backward(batch, config, losses, reference)
             sums["loss"] += float(terms.loss.detach())
             sums["policy_loss"] += float(terms.policy_loss)
             sums["kl"] += float(terms.kl)
@@ -229,7 +234,40 @@ class LoraTrainer:
             sums["entropy"] += entropy
         return sums
 
-    def _backward(self, batch: list[TrainSequence], config: TrainConfig, losses: LossConfig) -> tuple[LossTerms, float]:
+    def _reference_policy(self, checkpoint: Path | None) -> Callable[[], AbstractContextManager[Any]]:
+        """What the KL term's reference logprobs are taken under: the base model (the adapter off),
+        or `checkpoint`'s adapter, loaded into a frozen peft adapter of its own (once per checkpoint)."""
+        assert self.peft is not None
+        if checkpoint is None:
+            return self.peft.disable_adapter
+        trained = self.peft.active_adapter
+        key = f"{trained}_reference"
+        if self.references.get(key) != checkpoint:
+            if key not in self.peft.peft_config:
+                self.peft.add_adapter(key, copy.deepcopy(self.peft.peft_config[trained]))  # the same LoRA shape
+            try:
+                weights = load_file(str(checkpoint / "adapter_model.safetensors"), device=str(self.device))
+                set_peft_model_state_dict(self.peft, weights, adapter_name=key)
+            except Exception as error:  # noqa: BLE001 - every way a checkpoint fails to load is damage
+                self.references.pop(key, None)
+                raise DamagedCheckpointError(f"Cannot read the KL reference {checkpoint}: "
+                                             f"{type(error).__name__}: {error}") from error
+            finally:
+                self.peft.set_adapter(trained)  # adding an adapter leaves the trained one active; made sure
+            self.references[key] = checkpoint
+
+        @contextlib.contextmanager
+        def reference_active() -> Iterator[None]:
+            self.peft.set_adapter(key, inference_mode=True)
+            try:
+                yield
+            finally:
+                self.peft.set_adapter(trained)  # trainable again
+
+        return reference_active
+
+    def _backward(self, batch: list[TrainSequence], config: TrainConfig, losses: LossConfig,
+                  reference: Callable[[], AbstractContextManager[Any]]) -> tuple[LossTerms, float]:
         """Unpacked: the sequences as rows padded to the longest (for a model whose attention takes
         no custom mask)."""
         length = len(batch[0])
@@ -259,9 +297,10 @@ class LoraTrainer:
         targets, rollout, advantages, weights, sequence_ids = (x[:, first:].flatten().to(self.device)
                                                                for x in (ids, rollout, advantages, weights, rows))
         return self._loss_backward_saving_logit_memory(features, targets, rollout, advantages, weights, sequence_ids,
-                                                       config, losses)
+                                                       config, losses, reference)
 
-    def _packed_backward(self, batch: PackedBatch, config: TrainConfig, losses: LossConfig) -> tuple[LossTerms, float]:
+    def _packed_backward(self, batch: PackedBatch, config: TrainConfig, losses: LossConfig,
+                         reference: Callable[[], AbstractContextManager[Any]]) -> tuple[LossTerms, float]:
         """Prefix-tree rows (see packing.py): each trained token's logits come from the one copy
         of its context; features only at the positions some term needs."""
         keep, term_index = torch.unique(batch.term_positions, return_inverse=True)
@@ -283,7 +322,7 @@ class LoraTrainer:
         with attention:
             return self._loss_backward_saving_logit_memory(features, *(x.to(self.device) for x in (
                 batch.term_targets, batch.term_rollout_logprobs, batch.term_advantages, batch.term_weights,
-                batch.term_sequences)), config, losses)
+                batch.term_sequences)), config, losses, reference)
 
     def _features(self, inputs: dict[str, torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
         """What the output head turns into logits, at the positions `keep` of each row: the decoder's
@@ -295,7 +334,8 @@ class LoraTrainer:
 
     def _loss_backward_saving_logit_memory(self, features: Callable[[], torch.Tensor], targets: torch.Tensor,
                                            rollout: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor,
-                                           sequence_ids: torch.Tensor, config: TrainConfig, losses: LossConfig
+                                           sequence_ids: torch.Tensor, config: TrainConfig, losses: LossConfig,
+                                           reference: Callable[[], AbstractContextManager[Any]]
                                            ) -> tuple[LossTerms, float]:
         """The loss of one forward's trained tokens (one per row of `features`), its gradients
         accumulated; and their entropy.
@@ -306,20 +346,23 @@ class LoraTrainer:
         detached copy of the features, and the model's backward then runs once from their summed
         gradient. The loss is a weighted sum over tokens, so the chunks' sum is the same loss.
         A sequence-level importance ratio needs every token of the sequence first (a micro-batch
-        holds whole sequences): a pass without gradients over the chunks gives it."""
+        holds whole sequences): a pass without gradients over the chunks gives it, as it gives the
+        KL term's reference logprobs (under `reference`), before the forward that is trained."""
         assert self.peft is not None
-        hidden = features()
-        reference = None
-        if losses.beta:
-            with torch.no_grad(), self.peft.disable_adapter():
-                reference = features()
-        detached = hidden.detach().requires_grad_()
 
         def logprobs(rows: torch.Tensor, chunk: slice) -> tuple[torch.Tensor, torch.Tensor]:
             logp_all = torch.log_softmax(self.head(rows).float() / config.temperature, dim=-1)
             return logp_all, logp_all.gather(-1, targets[chunk, None])[:, 0]
 
         chunks = [slice(start, start + LOGIT_CHUNK_TOKENS) for start in range(0, len(targets), LOGIT_CHUNK_TOKENS)]
+        logp_ref = None
+        if losses.beta:
+            with torch.no_grad(), reference():
+                reference_features = features()
+                logp_ref = torch.cat([logprobs(reference_features[chunk], chunk)[1] for chunk in chunks])
+            del reference_features
+        hidden = features()
+        detached = hidden.detach().requires_grad_()
         sequence = None
         if losses.kind != "sft" and losses.importance_sampling_level != "token":
             with torch.no_grad():
@@ -329,12 +372,9 @@ class LoraTrainer:
         entropy_sum = 0.0
         for chunk in chunks:
             logp_all, logp_new = logprobs(detached[chunk], chunk)
-            logp_ref = None
-            if reference is not None:
-                with torch.no_grad(), self.peft.disable_adapter():
-                    logp_ref = logprobs(reference[chunk], chunk)[1]
             terms = (sft_loss(logp_new, weights[chunk]) if losses.kind == "sft" else
-                     policy_loss(logp_new, rollout[chunk], advantages[chunk], weights[chunk], losses, logp_ref,
+                     policy_loss(logp_new, rollout[chunk], advantages[chunk], weights[chunk], losses,
+                                 None if logp_ref is None else logp_ref[chunk],
                                  None if sequence is None else sequence[chunk]))
             terms.loss.backward()
             parts.append(LossTerms(terms.loss.detach(), terms.policy_loss, terms.kl, terms.clipped_fraction))
