@@ -22,9 +22,9 @@ class TrainConfig(StrictModel):
     beta: float = Field(default=0.0, ge=0, description="KL coefficient to the reference policy: the base model "
                         "(adapter off), or the checkpoint `kl_reference_step` names.")
     kl_reference_step: int | None = Field(
-        default=None, ge=1, description="With beta: the model's own checkpoint the KL is measured against, e.g. its "
+        default=None, ge=0, description="With beta: the model's own checkpoint the KL is measured against, e.g. its "
         "SFT step, so GRPO stays near what the demonstrations taught (TRL's reference is the model training starts "
-        "from; ART's kl_penalty_reference_step). None: the base model.")
+        "from; ART's kl_penalty_reference_step). None or 0: the base model.")
     scale_rewards: bool = Field(default=True, description="Divide advantages by the group's reward std.")
     max_grad_norm: float = Field(default=1.0, gt=0)
     temperature: float = Field(default=1.0, gt=0, description="The temperature rollouts were sampled at.")

@@ -89,7 +89,7 @@ async def test_grpo_after_sft_can_stay_near_the_sft_checkpoint(tiny_training_ser
 
     group = await scored_group(model, "q", [0.0, 1.0, 0.5])  # sampled by the SFT checkpoint
     near_sft = await model.train([group], config=TrainConfig(beta=0.1, kl_reference_step=1))
-    near_base = await model.train([group], config=TrainConfig(beta=0.1))
+    near_base = await model.train([group], config=TrainConfig(beta=0.1, kl_reference_step=0))  # 0: the base, as ART
     assert abs(near_sft.metrics["kl"]) < 1e-6 < 1e-4 < near_base.metrics["kl"], (near_sft.metrics, near_base.metrics)
 
     with pytest.raises(BackendError, match=r"kl_reference_step=9 names a checkpoint .*its newest is step 3\)"):

@@ -94,9 +94,9 @@ class ModelFiles:
         return None if step == 0 else self.checkpoints / f"{step:04d}"
 
     def kl_reference(self, step: int | None) -> Path | None:
-        """The checkpoint a step's KL term is measured against (`TrainConfig.kl_reference_step`; None:
-        the base model); refused if the model does not keep it."""
-        if step is None:
+        """The checkpoint a step's KL term is measured against (`TrainConfig.kl_reference_step`; None
+        or 0: the base model); refused if the model does not keep it."""
+        if not step:
             return None
         steps = self.steps()
         if step not in steps:
