@@ -104,6 +104,21 @@ def test_kl_term_and_unknown_rollout_logprobs() -> None:
     assert float(terms.loss) == pytest.approx(0.1 * kl)  # advantage 0, ratio 1 where unknown
 
 
+def test_a_token_the_policy_made_rare_pulls_the_kl_term_no_further_than_its_cap() -> None:
+    """k3 on a token the reference finds likely (logp -0.1) and the policy rare (-12, -40) would be
+    exp(11.9) ~ 1.5e5 and beyond; capped at 10 its gradient is 0 there (finite, not 0 * inf)."""
+    logp_new = torch.tensor([-12.0, -40.0, -1.0], requires_grad=True)
+    logp_ref = torch.tensor([-0.1, -0.1, -1.5])
+    terms = policy_loss(logp_new, torch.tensor([math.nan] * 3), torch.zeros(3), torch.full((3,), 1 / 3),
+                        LossConfig(beta=1.0), logp_ref)
+    uncapped = math.exp(-0.5) + 0.5 - 1
+    assert float(terms.kl) == pytest.approx((10 + 10 + uncapped) / 3)
+    terms.loss.backward()
+    assert logp_new.grad is not None and torch.isfinite(logp_new.grad).all()
+    assert logp_new.grad[:2].tolist() == [0.0, 0.0]
+    assert float(logp_new.grad[2]) == pytest.approx((1 - math.exp(-0.5)) / 3)  # d/dx of exp(r - x) - (r - x) - 1
+
+
 def _choice(prompt: list[int], completion: list[int], logprobs: list[float] | None = None) -> Choice:
     lp = {"content": [{"token": "", "logprob": x} for x in logprobs]} if logprobs else None
     return Choice(message={"role": "assistant", "content": "x"}, prompt_token_ids=prompt, token_ids=completion,

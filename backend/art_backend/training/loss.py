@@ -26,10 +26,16 @@ s_i's value comes from every token of the sequence (the trainer computes it firs
 and its gradient through each token (exp(sg[log s_i] + log ratio_t - sg[log ratio_t]), GSPO-token):
 summed with the weights 1 / |T_i| below, that is the gradient of s_i itself.
 
-Optional KL to the base policy (adapter off), k3 estimator, with coefficient beta:
+Optional KL to a reference policy (the base model, adapter off, or a checkpoint the trainer
+loads: TrainConfig.kl_reference_step), k3 estimator, with coefficient beta:
 
-    kl_t    = exp(logp_ref_t - logp_new_t) - (logp_ref_t - logp_new_t) - 1
+    d_t     = min(logp_ref_t - logp_new_t, 20)
+    kl_t    = min(exp(d_t) - d_t - 1, 10)
     loss_t += beta * kl_t
+
+k3 is unbiased on tokens the policy sampled, but one token the policy has made rare and the
+reference finds likely gives exp(d_t) in the thousands, and its gradient then swamps the
+step's after clipping: capped, as verl's low_var_kl caps it, such a token pulls no further.
 
 The batch loss averages over assistant tokens, each weighted by w_t = 1 / (assistant tokens of
 its trajectory), so every trajectory counts the same however long it is:
@@ -49,6 +55,10 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+
+
+KL_LOG_RATIO_CAP = 20.0  # exp stays finite, so a capped token's gradient is 0, not 0 * inf
+KL_TOKEN_CAP = 10.0
 
 
 @dataclass(frozen=True)
@@ -112,8 +122,8 @@ def policy_loss(logp_new: Tensor, logp_rollout: Tensor, advantages: Tensor, weig
 
     kl = torch.zeros_like(per_token)
     if config.beta and logp_ref is not None:
-        log_ratio_ref = logp_ref - logp_new
-        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1
+        log_ratio_ref = (logp_ref - logp_new).clamp(max=KL_LOG_RATIO_CAP)
+        kl = (torch.exp(log_ratio_ref) - log_ratio_ref - 1).clamp(max=KL_TOKEN_CAP)
 
     def mean(x: Tensor) -> Tensor:
         return (x * weights).sum()
