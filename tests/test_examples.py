@@ -154,7 +154,7 @@ def test_the_job_says_so_after_three_steps_without_signal(tmp_path: Path, capsys
                       scenarios=lambda split, count, seed: [Question(f"{split}{i}") for i in range(count)],
                       rollout=rollout)
     args = argparse.Namespace(steps=4, scenarios_per_step=1, rollouts=2, learning_rate=1e-3, temperature=1.0,
-                              scale_rewards=True, seed=0,
+                              scale_rewards=True, beta=0.0, seed=0,
                               name=None, ruler=False, model="tiny-random-smollm2", engine="torch", backend_url=None,
                               art_dir=str(tmp_path), held_out=1, max_tokens=8, sft_demos=0, sft_epochs=2,
                               sft_learning_rate=5e-4, waits={}, pipeline=False)
