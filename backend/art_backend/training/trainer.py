@@ -149,9 +149,8 @@ class LoraTrainer:
             optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
             if resume_from is not None:  # all of it, or the step fails: never a fresh adapter or a reset optimizer
                 try:
-                    weights = load_file(str(resume_from / "adapter_model.safetensors"), device=str(self.device))
                     state = torch.load(resume_from / "optimizer.pt", map_location=self.device, weights_only=True)
-                    set_peft_model_state_dict(self.peft, weights, adapter_name=key)
+                    self._load_adapter_weights(key, resume_from)
                     optimizer.load_state_dict(state)
                 except Exception as error:  # noqa: BLE001 - every way a checkpoint fails to load is damage
                     raise DamagedCheckpointError(f"Cannot continue training from {resume_from}: "
@@ -234,6 +233,12 @@ class LoraTrainer:
             sums["entropy"] += entropy
         return sums
 
+    def _load_adapter_weights(self, key: str, checkpoint: Path) -> None:
+        """`checkpoint`'s adapter weights into the peft adapter `key`."""
+        assert self.peft is not None
+        weights = load_file(str(checkpoint / "adapter_model.safetensors"), device=str(self.device))
+        set_peft_model_state_dict(self.peft, weights, adapter_name=key)
+
     def _reference_policy(self, checkpoint: Path | None) -> Callable[[], AbstractContextManager[Any]]:
         """What the KL term's reference logprobs are taken under: the base model (the adapter off),
         or `checkpoint`'s adapter, loaded into a frozen peft adapter of its own (once per checkpoint)."""
@@ -246,8 +251,7 @@ class LoraTrainer:
             if key not in self.peft.peft_config:
                 self.peft.add_adapter(key, copy.deepcopy(self.peft.peft_config[trained]))  # the same LoRA shape
             try:
-                weights = load_file(str(checkpoint / "adapter_model.safetensors"), device=str(self.device))
-                set_peft_model_state_dict(self.peft, weights, adapter_name=key)
+                self._load_adapter_weights(key, checkpoint)
             except Exception as error:  # noqa: BLE001 - every way a checkpoint fails to load is damage
                 self.references.pop(key, None)
                 raise DamagedCheckpointError(f"Cannot read the KL reference {checkpoint}: "
